@@ -1,0 +1,18 @@
+# The two commands a fresh machine needs (see README.md):
+#   make demo   set up everything, then train examples/train_digits.py on 2 processes, torch then TensorFlow
+#   make test   set up everything, then run the test suite
+.PHONY: setup demo test lint
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/hvdp run -np 2 --framework torch examples/train_digits.py
+	.venv/bin/hvdp run -np 2 --framework tensorflow examples/train_digits.py
+
+test: setup
+	.venv/bin/python -m pytest tests
+
+lint: setup
+	.venv/bin/ruff check hvdp tests examples
+	.venv/bin/mypy hvdp

@@ -1,0 +1,173 @@
+"""Picks the framework once, loads its backend, and holds it for the process.
+
+Order of precedence: ``hvdp.init(framework=...)`` > ``HVDP_FRAMEWORK`` (set by
+``hvdp run --framework``) > the only framework that is importable. A script
+that asks for one framework while the launcher said another is an error, never
+a guess. This module and ``hvdp/backends/`` are the only places that know the
+framework names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Optional
+
+from hvdp.errors import FrameworkError, NotInitializedError
+
+if TYPE_CHECKING:
+    from hvdp.backends.base import Backend
+
+#: The frameworks hvdp supports, by the name used everywhere in hvdp.
+FRAMEWORKS = ("torch", "tensorflow")
+#: The environment variable ``hvdp run --framework`` sets for every process.
+ENV_VAR = "HVDP_FRAMEWORK"
+#: How each framework is installed when it is missing.
+INSTALL_HINT = {
+    "torch": "pip install torch==2.13.0",
+    "tensorflow": "pip install tensorflow-cpu==2.21.0",
+}
+_BACKEND_MODULE = {"torch": "hvdp.backends.torch", "tensorflow": "hvdp.backends.tensorflow"}
+
+_backend: Optional["Backend"] = None
+
+
+def check_name(name: object, source: str) -> str:
+    """Return ``name`` if it is a supported framework, else raise FrameworkError."""
+    if not isinstance(name, str) or name not in FRAMEWORKS:
+        hint = ""
+        if name in ("pytorch", "pt"):
+            hint = " Did you mean 'torch'?"
+        elif name in ("tf", "keras"):
+            hint = " Did you mean 'tensorflow'?"
+        raise FrameworkError(
+            f"Unknown framework {name!r} (from {source}). "
+            f"Expected one of: {', '.join(FRAMEWORKS)}.{hint}"
+        )
+    return name
+
+
+def is_installed(name: str) -> bool:
+    """True when the framework's package can be imported (without importing it)."""
+    return importlib.util.find_spec(name) is not None
+
+
+def resolve(requested: Optional[str], environ: Optional[dict] = None) -> str:
+    """Decide which framework this process uses, refusing contradictions.
+
+    Args:
+        requested: what the script passed to ``hvdp.init(framework=...)``, or None.
+        environ: the environment to read (default ``os.environ``).
+
+    Example:
+        >>> resolve("torch", {})
+        'torch'
+    """
+    env = os.environ if environ is None else environ
+    from_env = env.get(ENV_VAR) or None
+    if requested is not None:
+        check_name(requested, "hvdp.init(framework=...)")
+    if from_env is not None:
+        check_name(from_env, f"the environment variable {ENV_VAR}")
+    if requested is not None and from_env is not None and requested != from_env:
+        raise FrameworkError(
+            f"The script asks for framework {requested!r} but the launcher set "
+            f"{ENV_VAR}={from_env!r} (hvdp run --framework {from_env}). "
+            f"Use the same framework in both places, or drop one of them."
+        )
+    chosen = requested or from_env
+    if chosen is None:
+        available = [name for name in FRAMEWORKS if is_installed(name)]
+        if len(available) == 1:
+            chosen = available[0]
+        elif not available:
+            raise FrameworkError(
+                "Neither torch nor tensorflow is installed. Install one: "
+                f"{INSTALL_HINT['torch']} or {INSTALL_HINT['tensorflow']}."
+            )
+        else:
+            raise FrameworkError(
+                "Both torch and tensorflow are installed, so hvdp cannot guess. "
+                "Say which: hvdp.init(framework='torch'), or "
+                "hvdp run --framework torch|tensorflow, or HVDP_FRAMEWORK=torch."
+            )
+    if not is_installed(chosen):
+        raise FrameworkError(
+            f"Framework {chosen!r} was chosen but is not installed. "
+            f"Install it ({INSTALL_HINT[chosen]}), then rebuild Horovod for it: hvdp build."
+        )
+    _check_keras_backend(chosen, env)
+    return chosen
+
+
+def _check_keras_backend(framework: str, env: "os._Environ[str] | dict") -> None:
+    keras_backend = env.get("KERAS_BACKEND")
+    if keras_backend and keras_backend != framework:
+        raise FrameworkError(
+            f"KERAS_BACKEND={keras_backend!r} contradicts framework {framework!r}: "
+            f"Keras models would run on {keras_backend} while hvdp reduces "
+            f"gradients with {framework}. Unset KERAS_BACKEND or set it to {framework!r}."
+        )
+
+
+def load_backend(name: str) -> "Backend":
+    """Import the backend for ``name``; turn Horovod import failures into fixes."""
+    try:
+        module = importlib.import_module(_BACKEND_MODULE[name])
+    except ImportError as exc:
+        if getattr(exc, "name", None) == "horovod":
+            raise FrameworkError(
+                "Horovod is not installed in this environment. "
+                "Build and install it for the installed frameworks: hvdp build."
+            ) from exc
+        if "horovod" in str(exc):
+            raise FrameworkError(
+                f"Horovod is installed but its {name} support cannot be loaded ({exc}). "
+                f"Rebuild Horovod for the frameworks installed now: hvdp build."
+            ) from exc
+        raise FrameworkError(
+            f"Importing {name} failed ({exc}). Reinstall it: {INSTALL_HINT[name]}."
+        ) from exc
+    backend: Backend = module.Backend()
+    return backend
+
+
+def activate(requested: Optional[str]) -> "Backend":
+    """Choose and initialize the backend (idempotent for the same framework)."""
+    global _backend
+    name = resolve(requested)
+    if _backend is not None:
+        if _backend.name != name:
+            raise FrameworkError(
+                f"hvdp is already initialized with {_backend.name!r}; cannot switch "
+                f"to {name!r} in the same process. Call hvdp.shutdown() first."
+            )
+        if _backend.is_initialized():
+            return _backend
+    else:
+        os.environ.setdefault("KERAS_BACKEND", name)
+        _backend = load_backend(name)
+    _backend.init()
+    return _backend
+
+
+def current(caller: str) -> "Backend":
+    """The active backend, or NotInitializedError naming the call that needed it."""
+    if _backend is None or not _backend.is_initialized():
+        raise NotInitializedError(
+            f"hvdp.{caller}() was called before hvdp.init(). "
+            f"Call hvdp.init() (or hvdp.init(framework='torch'|'tensorflow')) first."
+        )
+    return _backend
+
+
+def chosen() -> Optional[str]:
+    """The name of the loaded framework, or None."""
+    return None if _backend is None else _backend.name
+
+
+def deactivate() -> None:
+    """Shut Horovod down; the backend stays loaded so init() can run again."""
+    if _backend is not None and _backend.is_initialized():
+        _backend.shutdown()

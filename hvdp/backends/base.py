@@ -1,0 +1,83 @@
+"""The contract every framework backend implements.
+
+A backend is a small class named ``Backend`` in ``hvdp/backends/<framework>.py``.
+The facade in ``hvdp/__init__.py`` validates arguments and dispatches to it; the
+backend is the only place that touches the framework and ``horovod.<framework>``.
+``tests/unit/test_backends_contract.py`` checks each backend against this Protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Tuple, runtime_checkable
+
+#: Reduction operations accepted by ``allreduce`` and ``DistributedOptimizer``.
+REDUCE_OPS = ("average", "sum", "adasum")
+#: Gradient compressions accepted by ``DistributedOptimizer``.
+COMPRESSIONS = ("none", "fp16")
+
+
+def reduction_plan(op: str, gradient_predivide_factor: float, size: int) -> Tuple[str, float, float]:
+    """How to run ``op`` with gradient predivision: (op to run, prescale, postscale).
+
+    Averaging with a predivide factor f sums g/f over ranks, then scales by f/size.
+
+    Example:
+        >>> reduction_plan("average", 2.0, 4)
+        ('sum', 0.5, 0.5)
+    """
+    if op == "average" and gradient_predivide_factor != 1.0:
+        return "sum", 1.0 / gradient_predivide_factor, gradient_predivide_factor / size
+    return op, 1.0, 1.0
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What hvdp needs from a framework. Arguments arrive already validated."""
+
+    #: The framework name, one of ``hvdp._framework.FRAMEWORKS``.
+    name: str
+
+    def init(self) -> None:
+        """Initialize Horovod for this framework (idempotent)."""
+
+    def shutdown(self) -> None:
+        """Shut Horovod down."""
+
+    def is_initialized(self) -> bool:
+        """True between ``init()`` and ``shutdown()``."""
+
+    def rank(self) -> int:
+        """This process's rank among all processes."""
+
+    def size(self) -> int:
+        """The number of processes in the job."""
+
+    def local_rank(self) -> int:
+        """This process's rank on its host."""
+
+    def local_size(self) -> int:
+        """The number of processes on this host."""
+
+    def cross_rank(self) -> int:
+        """The index of this host among the hosts."""
+
+    def cross_size(self) -> int:
+        """The number of hosts."""
+
+    def distributed_optimizer(
+        self,
+        optimizer: Any,
+        model: Any,
+        *,
+        op: str,
+        compression: str,
+        backward_passes_per_step: int,
+        gradient_predivide_factor: float,
+    ) -> Any:
+        """Wrap ``optimizer`` so each step reduces gradients across processes."""
+
+    def broadcast_state(self, model: Any, optimizer: Any, root_rank: int) -> None:
+        """Overwrite parameters (and optimizer state) with those of ``root_rank``."""
+
+    def allreduce(self, value: Any, op: str, name: Optional[str]) -> Any:
+        """Reduce a framework tensor or NumPy array; return the same kind."""

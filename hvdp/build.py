@@ -1,0 +1,417 @@
+"""Build Horovod 0.28.1 from its PyPI source for the frameworks installed, and cache the wheel.
+
+Horovod 0.28.1 (the last release) does not build unchanged against current
+PyTorch and TensorFlow. :func:`patch_source` makes exactly the changes they
+require, each checked to apply once:
+
+1. C++17 instead of C++14 (top-level CMakeLists.txt and the torch extension);
+   torch >= 2.1 and TensorFlow's absl headers need C++17.
+2. TensorFlow's XLA ops (``xla_mpi_ops.cc``) are compiled only when asked
+   (``hvdp build --xla``): they need XLA headers the TensorFlow wheel lacks.
+
+The wheel is cached outside the repository under a key made of everything that
+changes the binary, so a second build with the same inputs only reinstalls it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from hvdp.errors import BuildError
+
+HOROVOD_VERSION = "0.28.1"
+SDIST_NAME = f"horovod-{HOROVOD_VERSION}.tar.gz"
+SDIST_SHA256 = "92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
+#: Bump whenever the patches below change, so cached wheels are rebuilt.
+PATCH_LEVEL = 1
+#: Python packages Horovod's setup.py imports (we build without isolation).
+BUILD_REQUIREMENTS = ["cloudpickle", "psutil", "pyyaml", "packaging", "setuptools", "wheel"]
+#: Where the record of the installed build lives, inside the horovod package.
+BUILD_RECORD = "hvdp_build.json"
+APT_FIX = "apt-get update && apt-get install -y {packages}"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One textual change to Horovod's source, which must match exactly once."""
+
+    path: str
+    old: str
+    new: str
+    why: str
+
+
+PATCHES = (
+    Patch("CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)",
+          "current torch and TensorFlow headers need C++17"),
+    Patch("horovod/torch/CMakeLists.txt", "    set(CMAKE_CXX_STANDARD 14)", "    set(CMAKE_CXX_STANDARD 17)",
+          "the torch extension re-selected C++14 for torch >= 1.5"),
+    Patch("horovod/tensorflow/CMakeLists.txt",
+          'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")',
+          'if("$ENV{HVDP_WITH_XLA_OPS}" STREQUAL "1")\n'
+          '    list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")\n'
+          'endif()',
+          "XLA ops need headers the TensorFlow wheel does not ship; opt-in with --xla"),
+)
+
+
+@dataclass
+class BuildOptions:
+    """What to build. ``frameworks`` None means every supported one installed."""
+
+    frameworks: Optional[Sequence[str]] = None
+    gpu: bool = False
+    xla: bool = False
+    mpi: bool = True
+    force: bool = False
+    jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+
+def cache_dir() -> Path:
+    """``$HVDP_CACHE_DIR``, else ``$XDG_CACHE_HOME/hvdp``, else ``~/.cache/hvdp``."""
+    explicit = os.environ.get("HVDP_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hvdp"
+
+
+def dist_version(*names: str) -> Optional[str]:
+    """The installed version of the first distribution found among ``names``."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def framework_versions() -> Dict[str, str]:
+    """Installed frameworks Horovod can be built for, by hvdp name."""
+    found = {
+        "torch": dist_version("torch"),
+        "tensorflow": dist_version("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly"),
+    }
+    return {name: version for name, version in found.items() if version}
+
+
+def _first_line(argv: List[str]) -> Optional[str]:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = (out.stdout or out.stderr).strip()
+    return text.splitlines()[0] if text else None
+
+
+def mpi_version() -> Optional[str]:
+    """``mpirun --version``'s first line, or None when MPI is not installed."""
+    return _first_line(["mpirun", "--version"]) if shutil.which("mpirun") else None
+
+
+def compiler() -> str:
+    """The C++ compiler CMake will use."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or ""
+
+
+def build_inputs(options: BuildOptions, frameworks: Dict[str, str]) -> Dict[str, object]:
+    """Everything that affects the Horovod binary; the cache key is their hash."""
+    cxx = compiler()
+    return {
+        "horovod": HOROVOD_VERSION,
+        "patch_level": PATCH_LEVEL,
+        "python": f"{sys.implementation.cache_tag}-{platform.machine()}",
+        "frameworks": dict(sorted(frameworks.items())),
+        "mpi": mpi_version() if options.mpi else None,
+        "gpu": options.gpu,
+        "xla": options.xla,
+        "compiler": _first_line([cxx, "--version"]) if cxx else None,
+    }
+
+
+def cache_key(inputs: Dict[str, object]) -> str:
+    """A short stable hash of the build inputs.
+
+    Example:
+        >>> cache_key({"horovod": "0.28.1"}) == cache_key({"horovod": "0.28.1"})
+        True
+    """
+    blob = json.dumps(inputs, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def check_toolchain(options: BuildOptions) -> None:
+    """Raise BuildError naming each missing tool and the command that installs it."""
+    missing: List[str] = []
+    packages: List[str] = []
+    if not shutil.which("cmake"):
+        missing.append("cmake")
+        packages.append("cmake")
+    if not compiler():
+        missing.append("a C++ compiler (g++)")
+        packages.append("g++")
+    if options.mpi and not (shutil.which("mpicxx") and shutil.which("mpirun")):
+        missing.append("MPI (mpirun and mpicxx)")
+        packages += ["openmpi-bin", "libopenmpi-dev"]
+    if missing:
+        raise BuildError(
+            f"Cannot build Horovod: {', '.join(missing)} not found. Fix: "
+            f"{APT_FIX.format(packages=' '.join(packages))}"
+            + ("  (or build without MPI: hvdp build --no-mpi)" if options.mpi else "")
+        )
+
+
+def _site_dir(module: str) -> Optional[Path]:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def gpu_environment(frameworks: Dict[str, str]) -> Dict[str, str]:
+    """Horovod's NCCL build settings, or BuildError saying what is missing."""
+    problems: List[str] = []
+    probe = {
+        "torch": "import torch; print(torch.version.cuda or '')",
+        "tensorflow": "import tensorflow as tf; print('1' if tf.test.is_built_with_cuda() else '')",
+    }
+    for name in frameworks:
+        out = subprocess.run([sys.executable, "-c", probe[name]], capture_output=True, text=True, check=False)
+        if out.returncode != 0 or not out.stdout.strip():
+            problems.append(
+                f"{name} {frameworks[name]} is not a CUDA build (install a CUDA build of {name}, "
+                f"or leave it out: hvdp build --gpu --frameworks "
+                f"{','.join(n for n in frameworks if n != name) or '<other>'})"
+            )
+    cuda_home = _find_cuda_home()
+    if not cuda_home:
+        problems.append("the CUDA toolkit (nvcc) was not found: install it or set CUDA_HOME")
+    nccl_home = _find_nccl_home(cuda_home)
+    if not nccl_home:
+        problems.append("NCCL (nccl.h and libnccl) was not found: pip install nvidia-nccl-cu12, "
+                        "or apt-get install libnccl-dev, or set HOROVOD_NCCL_HOME")
+    if problems:
+        raise BuildError("Cannot build Horovod with --gpu:\n  - " + "\n  - ".join(problems))
+    return {"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_CUDA_HOME": str(cuda_home),
+            "HOROVOD_NCCL_HOME": str(nccl_home), "HOROVOD_NCCL_LINK": "SHARED"}
+
+
+def _find_cuda_home() -> Optional[str]:
+    explicit = os.environ.get("CUDA_HOME") or os.environ.get("HOROVOD_CUDA_HOME")
+    if explicit:
+        return explicit
+    nvcc = shutil.which("nvcc") or next((p for p in ["/usr/local/cuda/bin/nvcc"] if Path(p).exists()), None)
+    return str(Path(nvcc).resolve().parent.parent) if nvcc else None
+
+
+def _find_nccl_home(cuda_home: Optional[str]) -> Optional[str]:
+    """A folder with include/nccl.h and lib/libnccl.so.
+
+    The NCCL of PyTorch's CUDA wheels (package nvidia-nccl-cu*) ships only
+    ``libnccl.so.2``; CMake looks for ``libnccl.so``, so a folder of links is
+    made in the cache for it.
+    """
+    explicit = os.environ.get("HOROVOD_NCCL_HOME") or os.environ.get("NCCL_HOME")
+    if explicit:
+        return explicit
+    nvidia = _site_dir("nvidia")
+    candidates = ([nvidia / "nccl"] if nvidia else []) + [Path("/usr"), Path(cuda_home or "/usr/local/cuda")]
+    for home in candidates:
+        if not (home / "include" / "nccl.h").exists():
+            continue
+        libs = [home / "lib", home / "lib" / "x86_64-linux-gnu", home / "lib64"]
+        if any((lib / "libnccl.so").exists() for lib in libs):
+            return str(home)
+        versioned = sorted((home / "lib").glob("libnccl.so.*"))
+        if versioned:
+            linked = cache_dir() / "nccl"
+            (linked / "lib").mkdir(parents=True, exist_ok=True)
+            for link, target in ((linked / "include", home / "include"), (linked / "lib" / "libnccl.so", versioned[0])):
+                if link.is_symlink() or link.exists():
+                    link.unlink()
+                link.symlink_to(target)
+            return str(linked)
+    return None
+
+
+def fetch_sdist(progress: Progress) -> Path:
+    """Horovod's source distribution, downloaded once and checked against its hash."""
+    target = cache_dir() / "sdist"
+    path = target / SDIST_NAME
+    if not path.exists():
+        target.mkdir(parents=True, exist_ok=True)
+        progress(f"Downloading {SDIST_NAME} from PyPI ...")
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"horovod=={HOROVOD_VERSION}", "-d", str(target)],
+            capture_output=True, text=True, check=False,
+        )
+        if result.returncode != 0 or not path.exists():
+            raise BuildError(
+                f"Could not download horovod=={HOROVOD_VERSION} source from PyPI:\n"
+                f"{result.stderr.strip()[-2000:]}\nFix: check the network, or put {SDIST_NAME} in {target}."
+            )
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != SDIST_SHA256:
+        raise BuildError(
+            f"{path} has sha256 {digest}, expected {SDIST_SHA256}. "
+            f"Delete it and run hvdp build again."
+        )
+    return path
+
+
+def patch_source(root: Path, patches: Sequence[Patch] = PATCHES) -> List[str]:
+    """Apply ``patches`` under ``root``; each must match exactly once. Returns what changed."""
+    done = []
+    for patch in patches:
+        path = root / patch.path
+        text = path.read_text()
+        count = text.count(patch.old)
+        if count != 1:
+            raise BuildError(
+                f"Cannot patch {patch.path}: expected the line {patch.old!r} once, found it "
+                f"{count} times. This hvdp supports horovod=={HOROVOD_VERSION} sources only."
+            )
+        path.write_text(text.replace(patch.old, patch.new))
+        done.append(f"{patch.path}: {patch.why}")
+    return done
+
+
+def _run_logged(argv: List[str], env: Dict[str, str], log: Path, progress: Progress, every: float = 30.0) -> None:
+    """Run ``argv`` with its output in ``log``, reporting progress; BuildError on failure."""
+    start = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        last = start
+        while proc.poll() is None:
+            time.sleep(1.0)
+            if time.monotonic() - last >= every:
+                last = time.monotonic()
+                steps = re.findall(r"\[\s*(\d+)%\]", log.read_text(errors="replace")[-20000:])
+                where = f", compiling {steps[-1]}%" if steps else ""
+                progress(f"  ... {time.monotonic() - start:.0f} s{where} (log: {log})")
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise BuildError(f"Building Horovod failed (exit {proc.returncode}). Last lines of {log}:\n{tail}")
+
+
+def _pip(*args: str) -> List[str]:
+    return [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
+
+
+def install_wheel(wheel: Path, record: Dict[str, object], progress: Progress) -> None:
+    """Install ``wheel`` into this Python and leave a record of the build beside it."""
+    progress(f"Installing {wheel.name} ...")
+    result = subprocess.run(_pip("install", "-q", "--no-deps", "--force-reinstall", str(wheel)),
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise BuildError(f"pip could not install {wheel}:\n{result.stderr.strip()[-2000:]}")
+    package = _site_dir("horovod")
+    if package is None:
+        raise BuildError(f"{wheel.name} installed but horovod cannot be found by {sys.executable}.")
+    (package / BUILD_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
+
+
+def installed_record() -> Optional[Dict[str, object]]:
+    """The record ``hvdp build`` left beside the installed Horovod, if any."""
+    package = _site_dir("horovod")
+    if package is None or not (package / BUILD_RECORD).exists():
+        return None
+    loaded: Dict[str, object] = json.loads((package / BUILD_RECORD).read_text())
+    return loaded
+
+
+def build(options: BuildOptions, progress: Progress = print) -> Path:
+    """Build (or reuse from cache) and install Horovod; return the wheel's path.
+
+    Example:
+        >>> build(BuildOptions(frameworks=["torch"]))  # doctest: +SKIP
+    """
+    installed = framework_versions()
+    wanted = list(options.frameworks) if options.frameworks else list(installed)
+    for name in wanted:
+        if name not in ("torch", "tensorflow"):
+            raise BuildError(f"Unknown framework {name!r} for --frameworks. Expected: torch, tensorflow.")
+        if name not in installed:
+            raise BuildError(
+                f"{name} is not installed, so Horovod cannot be built for it. Install it "
+                f"(pip install 'hvdp[{name}]') or leave it out of --frameworks."
+            )
+    if not wanted:
+        raise BuildError("Neither torch nor tensorflow is installed: install one first, "
+                         "e.g. pip install 'hvdp[torch]'.")
+    frameworks = {name: installed[name] for name in wanted}
+    inputs = build_inputs(options, frameworks)
+    key = cache_key(inputs)
+    slot = cache_dir() / "wheels" / key
+    wheels = sorted(slot.glob("horovod-*.whl")) if slot.exists() else []
+    progress(f"Horovod {HOROVOD_VERSION} for {', '.join(f'{n} {v}' for n, v in frameworks.items())}"
+             f"{' + NCCL' if options.gpu else ''}; cache key {key}")
+    if wheels and not options.force:
+        progress(f"Cache hit: {wheels[0]}")
+        current = installed_record()
+        if current is not None and current.get("key") == key:
+            progress("Already installed in this environment; nothing to do (--force rebuilds).")
+            return wheels[0]
+        install_wheel(wheels[0], {"key": key, "inputs": inputs, "wheel": str(wheels[0])}, progress)
+        return wheels[0]
+
+    check_toolchain(options)
+    env = dict(os.environ)
+    if options.gpu:
+        env.update(gpu_environment(frameworks))
+    env.update({
+        "HOROVOD_WITH_GLOO": "1",
+        "HOROVOD_WITHOUT_MXNET": "1",
+        "MAKEFLAGS": f"-j{options.jobs}",
+        "HVDP_WITH_XLA_OPS": "1" if options.xla else "0",
+    })
+    env["HOROVOD_WITH_MPI" if options.mpi else "HOROVOD_WITHOUT_MPI"] = "1"
+    for name, flag in (("torch", "PYTORCH"), ("tensorflow", "TENSORFLOW")):
+        env[f"HOROVOD_WITH_{flag}" if name in frameworks else f"HOROVOD_WITHOUT_{flag}"] = "1"
+
+    sdist = fetch_sdist(progress)
+    progress("Installing build requirements ...")
+    subprocess.run(_pip("install", "-q", *BUILD_REQUIREMENTS), check=True, capture_output=True)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="hvdp-build-") as tmp:
+        with tarfile.open(sdist) as archive:
+            archive.extractall(tmp, filter="data")
+        source = Path(tmp) / f"horovod-{HOROVOD_VERSION}"
+        for change in patch_source(source):
+            progress(f"Patched {change}")
+        out = Path(tmp) / "wheel"
+        log = cache_dir() / "logs" / f"build-{key}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        progress(f"Compiling with {options.jobs} jobs (a few minutes on 2 cores) ...")
+        _run_logged(_pip("wheel", "-v", "--no-deps", "--no-build-isolation", "-w", str(out), str(source)),
+                    env, log, progress)
+        built = sorted(out.glob("horovod-*.whl"))
+        if not built:
+            raise BuildError(f"pip wheel finished but left no wheel in {out}; see {log}.")
+        slot.mkdir(parents=True, exist_ok=True)
+        wheel = slot / built[0].name
+        shutil.copy2(built[0], wheel)
+    seconds = time.monotonic() - start
+    record = {"key": key, "inputs": inputs, "wheel": str(wheel), "build_seconds": round(seconds, 1)}
+    (slot / "build.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+    progress(f"Built {wheel.name} in {seconds:.0f} s; cached in {slot}")
+    install_wheel(wheel, record, progress)
+    return wheel

@@ -1,0 +1,151 @@
+"""``hvdp doctor``: versions, what Horovod was built with, and each problem with its fix."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from hvdp import __version__
+from hvdp import build as hvdp_build
+
+_PROBE = """
+import json, sys
+try:
+    import horovod.{module} as hvd
+except Exception as exc:
+    print(json.dumps({{"error": f"{{type(exc).__name__}}: {{exc}}"}}))
+    sys.exit(0)
+print(json.dumps({{"mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()),
+                  "nccl": int(hvd.nccl_built() or 0), "cuda": bool(hvd.cuda_built())}}))
+"""
+_MODULES = {"torch": "torch", "tensorflow": "tensorflow"}
+
+
+@dataclass
+class Report:
+    """What ``hvdp doctor`` found."""
+
+    versions: Dict[str, Optional[str]]
+    built: Dict[str, Dict[str, object]] = field(default_factory=dict)
+    problems: List[str] = field(default_factory=list)
+    usable: List[str] = field(default_factory=list)
+    controllers: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when Horovod can run a job with at least one framework."""
+        return bool(self.usable) and bool(self.controllers)
+
+
+def probe(names: List[str]) -> Dict[str, Dict[str, object]]:
+    """Import ``horovod.<framework>`` for each name in its own process, in parallel."""
+    procs = {
+        name: subprocess.Popen([sys.executable, "-c", _PROBE.format(module=_MODULES[name])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name in names
+    }
+    results: Dict[str, Dict[str, object]] = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        try:
+            results[name] = json.loads(out.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            results[name] = {"error": (err or out).strip()[-500:] or f"exit code {proc.returncode}"}
+    return results
+
+
+def diagnose() -> Report:
+    """Collect versions and build facts and list every problem with its fix."""
+    frameworks = hvdp_build.framework_versions()
+    versions: Dict[str, Optional[str]] = {
+        "python": platform.python_version(),
+        "hvdp": __version__,
+        "torch": frameworks.get("torch"),
+        "tensorflow": frameworks.get("tensorflow"),
+        "keras": hvdp_build.dist_version("keras"),
+        "horovod": hvdp_build.dist_version("horovod"),
+        "mpi": hvdp_build.mpi_version(),
+    }
+    report = Report(versions=versions)
+    if not frameworks:
+        report.problems.append("Neither torch nor tensorflow is installed. Fix: pip install 'hvdp[torch]' "
+                               "or pip install 'hvdp[tensorflow]'.")
+    if versions["horovod"] is None:
+        report.problems.append("Horovod is not installed. Fix: hvdp build")
+        return report
+    report.built = probe(list(frameworks))
+    for name, facts in report.built.items():
+        if "error" in facts:
+            report.problems.append(f"Horovod cannot load its {name} support ({facts['error']}). "
+                                   f"Fix: hvdp build (rebuilds for the frameworks installed now)")
+            continue
+        report.usable.append(name)
+        for controller in ("gloo", "mpi"):
+            if facts.get(controller) and controller not in report.controllers:
+                report.controllers.append(controller)
+    if "mpi" in report.controllers and not shutil.which("mpirun"):
+        report.controllers.remove("mpi")
+        report.problems.append("Horovod was built with MPI but mpirun is not on PATH. "
+                               "Fix: apt-get install -y openmpi-bin (or use --gloo).")
+    if report.usable and not report.controllers:
+        report.problems.append("Horovod has no usable controller (neither Gloo nor MPI). "
+                               "Fix: hvdp build")
+    record = hvdp_build.installed_record()
+    if record is None:
+        report.problems.append("This Horovod was not built by hvdp build, so it may lack the fixes for "
+                               "current frameworks. Fix: hvdp build")
+    else:
+        inputs = record.get("inputs", {})
+        built_for = inputs.get("frameworks", {}) if isinstance(inputs, dict) else {}
+        for name, version in frameworks.items():
+            if name in built_for and built_for[name] != version:
+                report.problems.append(f"Horovod was built for {name} {built_for[name]} but {version} is "
+                                       f"installed now. Fix: hvdp build")
+            if name not in built_for:
+                report.problems.append(f"{name} {version} is installed but Horovod was built without it. "
+                                       f"Fix: hvdp build")
+    return report
+
+
+def render(report: Report) -> str:
+    """The human-readable report."""
+    lines = ["Versions:"]
+    for name, version in report.versions.items():
+        lines.append(f"  {name:<11} {version or 'not installed'}")
+    if report.built:
+        lines.append("Horovod built with:")
+        for name, facts in report.built.items():
+            if "error" in facts:
+                lines.append(f"  {name:<11} NOT AVAILABLE")
+                continue
+            ops = ["Gloo" if facts.get("gloo") else None, "MPI" if facts.get("mpi") else None,
+                   f"NCCL {facts['nccl']}" if facts.get("nccl") else None]
+            lines.append(f"  {name:<11} available; controllers/tensor operations: "
+                         f"{', '.join(o for o in ops if o) or 'none'}; CUDA: {'yes' if facts.get('cuda') else 'no'}")
+    lines.append(f"Frameworks usable: {', '.join(report.usable) or 'none'}")
+    controllers = ", ".join("MPI" if c == "mpi" else "Gloo" for c in report.controllers)
+    lines.append(f"Controllers usable: {controllers or 'none'}")
+    if report.problems:
+        lines.append("Problems:")
+        lines += [f"  - {problem}" for problem in report.problems]
+    else:
+        lines.append("No problems found.")
+    lines.append("OK: Horovod can run a job." if report.ok else "NOT OK: Horovod cannot run a job.")
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False) -> int:
+    """Print the report; exit status 1 when Horovod cannot run a job."""
+    report = diagnose()
+    if as_json:
+        print(json.dumps({"versions": report.versions, "built": report.built, "usable": report.usable,
+                          "controllers": report.controllers, "problems": report.problems, "ok": report.ok},
+                         indent=2))
+    else:
+        print(render(report))
+    return 0 if report.ok else 1

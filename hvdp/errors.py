@@ -1,0 +1,33 @@
+"""The exceptions hvdp raises.
+
+Every hvdp error derives from :class:`HvdpError`, so ``except hvdp.HvdpError``
+catches all of them. Errors about bad arguments also derive from the matching
+built-in (``ValueError``/``RuntimeError``) so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class HvdpError(Exception):
+    """Base class of every error raised by hvdp."""
+
+
+class FrameworkError(HvdpError, ValueError):
+    """The framework asked for is unknown, not installed, not built into Horovod,
+    or contradicts another setting."""
+
+
+class NotInitializedError(HvdpError, RuntimeError):
+    """An hvdp call that needs a running job was made before ``hvdp.init()``."""
+
+
+class BuildError(HvdpError, RuntimeError):
+    """Building or installing Horovod failed; the message says how to fix it."""
+
+
+class LaunchError(HvdpError, ValueError):
+    """``hvdp run`` was given arguments it cannot turn into a job."""
+
+
+class ReplicaMismatchError(HvdpError, RuntimeError):
+    """Replicas that should be identical are not."""

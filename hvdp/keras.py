@@ -1,0 +1,97 @@
+"""Keras 3 support shared by both Keras backends (TensorFlow and torch).
+
+Horovod's own Keras layer does not work with Keras 3 (it silently stops
+averaging gradients), so hvdp wraps Keras 3 optimizers itself: the optimizer's
+``apply`` (which ``apply_gradients`` and ``model.fit`` both go through) reduces
+the gradients with the active backend's collectives before the update.
+The backends pass in how to reduce and broadcast; nothing here imports a
+framework at import time.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, List, Optional, Sequence
+
+ReduceFn = Callable[[List[Any]], List[Any]]
+BroadcastFn = Callable[[Any, int, str], Any]
+
+
+def is_keras_optimizer(obj: object) -> bool:
+    """True for a Keras 3 optimizer (checked without importing Keras)."""
+    keras = sys.modules.get("keras")
+    optimizers = getattr(keras, "optimizers", None)
+    base = getattr(optimizers, "Optimizer", None)
+    return base is not None and isinstance(obj, base)
+
+
+def is_keras_model(obj: object) -> bool:
+    """True for a Keras 3 layer or model (checked without importing Keras)."""
+    keras = sys.modules.get("keras")
+    base = getattr(keras, "Layer", None)
+    return base is not None and isinstance(obj, base)
+
+
+def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn) -> Any:
+    """Make ``optimizer`` reduce gradients across processes before each update.
+
+    The optimizer is changed in place (its class becomes a subclass of its own
+    class with the same name), so its state, ``isinstance`` checks and saved
+    configs are kept. ``reduce_gradients`` takes the list of gradients that
+    exist on this step (variables without a gradient are left out) and returns
+    the reduced list in the same order.
+
+    Example:
+        >>> opt = wrap_optimizer(keras.optimizers.SGD(0.1), reduce_fn)  # doctest: +SKIP
+    """
+    cls = optimizer.__class__
+    if getattr(cls, "_hvdp_distributed", False):
+        raise ValueError(
+            f"This {cls.__name__} optimizer is already an hvdp.DistributedOptimizer; "
+            "wrap the original optimizer once."
+        )
+
+    class _DistributedKerasOptimizer(cls):  # type: ignore[misc, valid-type]
+        _hvdp_distributed = True
+        _hvdp_reduce = staticmethod(reduce_gradients)
+
+        def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> Any:
+            grads = list(grads)
+            present = [i for i, grad in enumerate(grads) if grad is not None]
+            if present:
+                reduced = self._hvdp_reduce([grads[i] for i in present])
+                for i, value in zip(present, reduced):
+                    grads[i] = value
+            return super().apply(grads, trainable_variables)
+
+    _DistributedKerasOptimizer.__name__ = cls.__name__
+    _DistributedKerasOptimizer.__qualname__ = cls.__qualname__
+    _DistributedKerasOptimizer.__module__ = cls.__module__
+    optimizer.__class__ = _DistributedKerasOptimizer
+    return optimizer
+
+
+def broadcast_state(model: Any, optimizer: Any, root_rank: int, broadcast: BroadcastFn) -> None:
+    """Assign every variable of ``model`` (and ``optimizer``) the value on ``root_rank``.
+
+    The optimizer is built on the model's trainable variables first if needed,
+    so its slots exist on every rank before they are broadcast.
+    """
+    if is_keras_model(model) and not model.built:
+        raise ValueError(
+            f"Keras model {model.name!r} is not built yet, so it has no weights to "
+            "broadcast. Build it first: call it on a batch, or model.build(input_shape), "
+            "or give its first layer an Input shape."
+        )
+    variables = list(model.variables)
+    if optimizer is not None:
+        if not is_keras_optimizer(optimizer):
+            raise TypeError(
+                f"optimizer must be a Keras 3 optimizer for a Keras model, got "
+                f"{type(optimizer).__name__}."
+            )
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        variables += list(optimizer.variables)
+    for index, variable in enumerate(variables):
+        variable.assign(broadcast(variable.value, root_rank, f"hvdp.state.{index}"))

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for hvdp: Debian packages, .venv/, Python packages, Horovod.
+# Idempotent: a second run checks each step and skips what is already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# 1. Debian packages: Open MPI (runtime and headers), cmake, a C++ compiler.
+need=()
+{ command -v mpirun && command -v mpicxx; } >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
+command -v cmake >/dev/null 2>&1 || need+=(cmake)
+command -v g++ >/dev/null 2>&1 || need+=(g++)
+if ((${#need[@]})); then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  log "installing Debian packages: ${need[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+# 2. The virtual environment, at .venv/ in the repository root.
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  python3 -m venv .venv
+fi
+
+# 3. Python packages (skipped when setup.py has not changed since the last install).
+stamp=.venv/.hvdp-setup-stamp
+want=$(sha256sum setup.py scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  log "installing torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, mpi4py and test tools into .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,tensorflow,mpi,dev]'
+  echo "$want" >"$stamp"
+else
+  log "Python packages up to date"
+fi
+
+# 4. Horovod, built for the installed frameworks (a cached wheel is reused).
+.venv/bin/hvdp build

@@ -1,0 +1,31 @@
+"""hvdp: data-parallel training over Horovod for PyTorch and TensorFlow (Keras 3)."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+VERSION = "0.1.0"
+
+setup(
+    name="hvdp",
+    version=VERSION,
+    description="One framework-neutral API over Horovod for PyTorch and TensorFlow/Keras 3.",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hvdp", "hvdp.*"]),
+    python_requires=">=3.9",
+    # Horovod itself is built by `hvdp build` (its last release needs patches for
+    # current frameworks); these are its runtime requirements and hvdp's own.
+    install_requires=["numpy", "tqdm", "cloudpickle", "psutil", "pyyaml", "packaging"],
+    extras_require={
+        "torch": ["torch==2.13.0"],
+        "tensorflow": ["tensorflow-cpu==2.21.0"],
+        "mpi": ["mpi4py==4.1.2"],
+        "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "scikit-learn", "types-PyYAML"],
+    },
+    entry_points={"console_scripts": ["hvdp = hvdp.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,92 @@
+"""Core API under horovodrun -np 2, for both controllers and both frameworks.
+
+One job per (controller, framework) runs every check of that framework and each
+rank reports what it saw; the assertions compare the ranks' reports.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import max_abs_diff, run_worker
+
+CONTROLLERS = ["gloo", "mpi"]
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module", params=CONTROLLERS)
+def torch_job(request, tmp_path_factory):
+    return run_worker("core_torch.py", request.param, "torch", tmp_path_factory.mktemp("torch"))
+
+
+@pytest.fixture(scope="module", params=CONTROLLERS)
+def tf_job(request, tmp_path_factory):
+    return run_worker("core_tensorflow.py", request.param, "tensorflow", tmp_path_factory.mktemp("tf"))
+
+
+def check_topology(ranks):
+    for r in ranks:
+        assert r["size"] == 2 and r["local_size"] == 2
+        assert r["local_rank"] == r["rank"]
+        assert r["cross_size"] == 1 and r["cross_rank"] == 0
+
+
+def check_identical_after(ranks, before_key, after_key):
+    r0, r1 = ranks
+    assert max_abs_diff(r0[before_key], r1[before_key]) > 1e-3, "ranks did not start different"
+    assert max_abs_diff(r0[after_key], r1[after_key]) <= TOLERANCE
+
+
+def test_torch_topology_and_framework(torch_job):
+    check_topology(torch_job.ranks)
+    assert {r["framework"] for r in torch_job.ranks} == {"torch"}
+
+
+def test_torch_broadcast_state_makes_parameters_and_adam_state_identical(torch_job):
+    check_identical_after(torch_job.ranks, "before_broadcast", "after_broadcast")
+    check_identical_after(torch_job.ranks, "adam_before", "adam_after")
+    assert len(torch_job.ranks[0]["adam_after"]) > 0
+
+
+def test_torch_training_on_different_data_keeps_replicas_identical(torch_job):
+    r0, r1 = torch_job.ranks
+    assert r0["losses"] != r1["losses"], "ranks saw the same data"
+    assert max_abs_diff(r0["params_after_broadcast"], r0["after_training"]) > 1e-3, "training changed nothing"
+    assert max_abs_diff(r0["after_training"], r1["after_training"]) <= TOLERANCE
+    assert r0["optimizer_class"] == "SGD"
+
+
+def test_torch_allreduce_returns_the_kind_it_was_given(torch_job):
+    for r in torch_job.ranks:
+        assert r["allreduce_number"] == pytest.approx(1.5)
+        assert r["allreduce_sum_int"] == 3 and isinstance(r["allreduce_sum_int"], int)
+        assert r["allreduce_numpy"] == pytest.approx([0.5, 0.5, 0.5])
+
+
+def test_tensorflow_topology_and_keras_backend(tf_job):
+    check_topology(tf_job.ranks)
+    assert {(r["framework"], r["keras_backend"]) for r in tf_job.ranks} == {("tensorflow", "tensorflow")}
+
+
+def test_tensorflow_broadcast_state_makes_weights_and_optimizer_identical(tf_job):
+    check_identical_after(tf_job.ranks, "before_broadcast", "after_broadcast")
+    check_identical_after(tf_job.ranks, "adam_before", "adam_after")
+
+
+def test_keras_model_fit_on_different_data_keeps_replicas_identical(tf_job):
+    r0, r1 = tf_job.ranks
+    assert r0["fit_losses"] != r1["fit_losses"], "ranks saw the same data"
+    assert max_abs_diff(r0["params_after_broadcast"], r0["after_fit"]) > 1e-3, "fit changed nothing"
+    assert max_abs_diff(r0["after_fit"], r1["after_fit"]) <= TOLERANCE
+    assert r0["optimizer_class"] == "SGD"
+
+
+def test_keras_gradient_tape_loop_keeps_replicas_identical(tf_job):
+    r0, r1 = tf_job.ranks
+    assert r0["loop_losses"] != r1["loop_losses"], "ranks saw the same data"
+    assert max_abs_diff(r0["after_loop"], r1["after_loop"]) <= TOLERANCE
+
+
+def test_tensorflow_allreduce(tf_job):
+    for r in tf_job.ranks:
+        assert r["allreduce_tensor"] == pytest.approx([0.5, 0.5])
+        assert r["allreduce_number"] == pytest.approx(1.5)

@@ -1,0 +1,96 @@
+"""Framework selection and the errors of the facade, in one process (no Horovod job)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import hvdp
+from hvdp import _framework
+
+
+def test_import_has_no_side_effects():
+    code = ("import os, sys; before = dict(os.environ); import hvdp; "
+            "heavy = [m for m in ('torch', 'tensorflow', 'keras', 'horovod') if m in sys.modules]; "
+            "print(heavy, before == dict(os.environ))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] True"
+
+
+def test_explicit_choice_wins_and_env_is_used_when_alone():
+    assert _framework.resolve("torch", {}) == "torch"
+    assert _framework.resolve(None, {"HVDP_FRAMEWORK": "tensorflow"}) == "tensorflow"
+    assert _framework.resolve("torch", {"HVDP_FRAMEWORK": "torch"}) == "torch"
+
+
+def test_script_contradicting_the_launcher_is_refused():
+    with pytest.raises(hvdp.FrameworkError) as err:
+        _framework.resolve("tensorflow", {"HVDP_FRAMEWORK": "torch"})
+    message = str(err.value)
+    assert "'tensorflow'" in message and "HVDP_FRAMEWORK='torch'" in message
+
+
+@pytest.mark.parametrize("name, hint", [("pytorch", "Did you mean 'torch'"), ("tf", "Did you mean 'tensorflow'"),
+                                        ("jax", "Expected one of: torch, tensorflow")])
+def test_unknown_framework_names_the_value_and_the_choices(name, hint):
+    with pytest.raises(hvdp.FrameworkError) as err:
+        _framework.resolve(name, {})
+    assert repr(name) in str(err.value) and hint in str(err.value)
+    with pytest.raises(hvdp.FrameworkError):
+        _framework.resolve(None, {"HVDP_FRAMEWORK": name})
+
+
+def test_both_installed_and_none_chosen_asks_the_user_to_choose():
+    assert _framework.is_installed("torch") and _framework.is_installed("tensorflow")
+    with pytest.raises(hvdp.FrameworkError, match="Both torch and tensorflow are installed"):
+        _framework.resolve(None, {})
+
+
+def test_framework_not_installed(monkeypatch):
+    monkeypatch.setattr(_framework, "is_installed", lambda name: name == "torch")
+    assert _framework.resolve(None, {}) == "torch"
+    with pytest.raises(hvdp.FrameworkError, match="'tensorflow' was chosen but is not installed.*tensorflow-cpu"):
+        _framework.resolve("tensorflow", {})
+
+
+def test_contradicting_keras_backend_is_refused():
+    with pytest.raises(hvdp.FrameworkError, match="KERAS_BACKEND='torch' contradicts framework 'tensorflow'"):
+        _framework.resolve("tensorflow", {"KERAS_BACKEND": "torch"})
+
+
+def test_horovod_without_the_framework_built_in_gives_the_fix(monkeypatch, tmp_path):
+    """Horovod's own error for an extension it did not build becomes the command that fixes it."""
+    (tmp_path / "hvdp_unbuilt_backend.py").write_text(
+        "raise ImportError('Extension horovod.torch has not been built: mpi_lib_v2.so not found. "
+        "If this is not expected, reinstall Horovod with HOROVOD_WITH_PYTORCH=1')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(_framework._BACKEND_MODULE, "torch", "hvdp_unbuilt_backend")
+    expected = "Horovod is installed but its torch support cannot be loaded.*hvdp build"
+    with pytest.raises(hvdp.FrameworkError, match=expected):
+        _framework.load_backend("torch")
+
+
+def test_missing_horovod_gives_the_fix(monkeypatch, tmp_path):
+    (tmp_path / "hvdp_no_horovod_backend.py").write_text("import horovod.torch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "horovod", None)  # as if Horovod were not installed
+    monkeypatch.setitem(_framework._BACKEND_MODULE, "torch", "hvdp_no_horovod_backend")
+    with pytest.raises(hvdp.FrameworkError, match="Horovod is not installed.*hvdp build"):
+        _framework.load_backend("torch")
+
+
+@pytest.mark.parametrize("call", [hvdp.rank, hvdp.size, hvdp.local_rank, hvdp.framework,
+                                  lambda: hvdp.allreduce(1.0), lambda: hvdp.shard(10),
+                                  lambda: hvdp.DistributedOptimizer(object())])
+def test_calls_before_init_say_to_call_init(call):
+    with pytest.raises(hvdp.NotInitializedError, match=r"called before hvdp.init\(\)"):
+        call()
+    assert hvdp.is_initialized() is False
+
+
+def test_public_names_are_exported():
+    for name in ("init", "framework", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+                 "is_initialized", "shutdown", "DistributedOptimizer", "broadcast_state", "allreduce", "shard"):
+        assert name in hvdp.__all__ and callable(getattr(hvdp, name))
