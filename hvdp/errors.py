@@ -31,3 +31,7 @@ class LaunchError(HvdpError, ValueError):
 
 class ReplicaMismatchError(HvdpError, RuntimeError):
     """Replicas that should be identical are not."""
+
+
+class TensorMismatchError(HvdpError, ValueError):
+    """Ranks passed tensors of different shapes or dtypes to the same collective."""

@@ -11,7 +11,7 @@ framework at import time.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 ReduceFn = Callable[[List[Any]], List[Any]]
 BroadcastFn = Callable[[Any, int, str], Any]
@@ -32,14 +32,20 @@ def is_keras_model(obj: object) -> bool:
     return base is not None and isinstance(obj, base)
 
 
-def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn) -> Any:
+def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_per_step: int = 1) -> Any:
     """Make ``optimizer`` reduce gradients across processes before each update.
 
     The optimizer is changed in place (its class becomes a subclass of its own
     class with the same name), so its state, ``isinstance`` checks and saved
-    configs are kept. ``reduce_gradients`` takes the list of gradients that
-    exist on this step (variables without a gradient are left out) and returns
-    the reduced list in the same order.
+    configs are kept. ``reduce_gradients`` takes the list of gradients of one
+    update and returns the reduced list in the same order.
+
+    The reduction sits where Keras turns gradients into an update: after its
+    own gradient accumulation (used for ``backward_passes_per_step``, so there
+    is one reduction per update) and before gradient clipping (so ``clipnorm``
+    clips the global gradient, as a single process would). A variable without
+    a gradient on this step gets a zero gradient, so every rank reduces the
+    same tensors and none waits for a tensor that never comes.
 
     Example:
         >>> opt = wrap_optimizer(keras.optimizers.SGD(0.1), reduce_fn)  # doctest: +SKIP
@@ -50,25 +56,49 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn) -> Any:
             f"This {cls.__name__} optimizer is already an hvdp.DistributedOptimizer; "
             "wrap the original optimizer once."
         )
+    if backward_passes_per_step > 1:
+        existing = optimizer.gradient_accumulation_steps
+        if existing not in (None, backward_passes_per_step):
+            raise ValueError(
+                f"backward_passes_per_step={backward_passes_per_step} contradicts the optimizer's "
+                f"gradient_accumulation_steps={existing}; set only one of them."
+            )
+        if optimizer.built and existing is None:
+            raise ValueError(
+                "backward_passes_per_step > 1 needs gradient accumulators, which a built optimizer "
+                "lacks: wrap the optimizer before its first step or broadcast_state()."
+            )
+        optimizer.gradient_accumulation_steps = backward_passes_per_step
 
     class _DistributedKerasOptimizer(cls):  # type: ignore[misc, valid-type]
         _hvdp_distributed = True
         _hvdp_reduce = staticmethod(reduce_gradients)
 
         def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> Any:
-            grads = list(grads)
-            present = [i for i, grad in enumerate(grads) if grad is not None]
-            if present:
-                reduced = self._hvdp_reduce([grads[i] for i in present])
-                for i, value in zip(present, reduced):
-                    grads[i] = value
+            variables = self._trainable_variables if trainable_variables is None else list(trainable_variables)
+            grads = [
+                _zeros_like(variable) if grad is None else grad for grad, variable in zip(grads, variables)
+            ]
             return super().apply(grads, trainable_variables)
+
+        def _clip_gradients(self, grads: List[Any]) -> List[Any]:
+            reduced = self._hvdp_reduce(list(grads))
+            if self.gradient_accumulation_steps:
+                # Keras averaged the accumulated passes; hvdp's contract sums them.
+                reduced = [grad * self.gradient_accumulation_steps for grad in reduced]
+            return super()._clip_gradients(reduced)
 
     _DistributedKerasOptimizer.__name__ = cls.__name__
     _DistributedKerasOptimizer.__qualname__ = cls.__qualname__
     _DistributedKerasOptimizer.__module__ = cls.__module__
     optimizer.__class__ = _DistributedKerasOptimizer
     return optimizer
+
+
+def _zeros_like(variable: Any) -> Any:
+    from keras import ops
+
+    return ops.zeros(variable.shape, dtype=variable.dtype)
 
 
 def broadcast_state(model: Any, optimizer: Any, root_rank: int, broadcast: BroadcastFn) -> None:
@@ -95,3 +125,20 @@ def broadcast_state(model: Any, optimizer: Any, root_rank: int, broadcast: Broad
         variables += list(optimizer.variables)
     for index, variable in enumerate(variables):
         variable.assign(broadcast(variable.value, root_rank, f"hvdp.state.{index}"))
+
+
+def named_parameters(model: Any, to_numpy: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
+    """(path, array) for each trainable variable of a Keras model."""
+    return [(variable.path, to_numpy(variable.value)) for variable in model.trainable_variables]
+
+
+_CALLBACKS = ("BroadcastInitialState", "MetricAverage", "LearningRateWarmup")
+
+
+def __getattr__(name: str) -> Any:
+    """The Keras callbacks, imported on first use so that importing hvdp never imports Keras."""
+    if name in _CALLBACKS:
+        from hvdp import _keras_callbacks
+
+        return getattr(_keras_callbacks, name)
+    raise AttributeError(f"module 'hvdp.keras' has no attribute {name!r}")

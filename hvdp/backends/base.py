@@ -1,6 +1,9 @@
 """The contract every framework backend implements.
 
 A backend is a small class named ``Backend`` in ``hvdp/backends/<framework>.py``.
+It may also offer framework-specific extras beside the contract
+(``sync_batch_norm`` on torch, ``distributed_gradient_tape`` on TensorFlow);
+the facade says clearly when the chosen framework has no such extra.
 The facade in ``hvdp/__init__.py`` validates arguments and dispatches to it; the
 backend is the only place that touches the framework and ``horovod.<framework>``.
 ``tests/unit/test_backends_contract.py`` checks each backend against this Protocol.
@@ -8,7 +11,9 @@ backend is the only place that touches the framework and ``horovod.<framework>``
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
+
+import numpy as np
 
 #: Reduction operations accepted by ``allreduce`` and ``DistributedOptimizer``.
 REDUCE_OPS = ("average", "sum", "adasum")
@@ -64,6 +69,9 @@ class Backend(Protocol):
     def cross_size(self) -> int:
         """The number of hosts."""
 
+    def controller(self) -> str:
+        """The controller the job runs on: ``"gloo"`` or ``"mpi"``."""
+
     def distributed_optimizer(
         self,
         optimizer: Any,
@@ -81,3 +89,21 @@ class Backend(Protocol):
 
     def allreduce(self, value: Any, op: str, name: Optional[str]) -> Any:
         """Reduce a framework tensor or NumPy array; return the same kind."""
+
+    def allgather(self, value: Any, name: Optional[str]) -> Any:
+        """Concatenate every rank's tensor or array along the first dimension."""
+
+    def broadcast(self, value: Any, root_rank: int, name: Optional[str]) -> Any:
+        """``root_rank``'s tensor or array, on every rank."""
+
+    def broadcast_object(self, obj: Any, root_rank: int) -> Any:
+        """``root_rank``'s picklable object, on every rank."""
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        """Every rank's picklable object, in rank order."""
+
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+
+    def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
+        """(name, NumPy array) for each trainable parameter of ``model``."""

@@ -8,7 +8,7 @@ work both eagerly and inside ``tf.function`` (``model.fit``).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -67,6 +67,9 @@ class Backend:
     def cross_size(self) -> int:
         return int(hvd.cross_size())
 
+    def controller(self) -> str:
+        return "mpi" if hvd.mpi_enabled() else "gloo"
+
     def distributed_optimizer(
         self,
         optimizer: Any,
@@ -83,11 +86,11 @@ class Backend:
                 f"(keras.optimizers.Optimizer), got {type(optimizer).__module__}."
                 f"{type(optimizer).__name__}."
             )
-        if backward_passes_per_step != 1:
-            raise ValueError(
-                f"backward_passes_per_step={backward_passes_per_step} is not supported "
-                "for Keras optimizers yet; use backward_passes_per_step=1."
-            )
+        reduce = self._gradient_reducer(op, compression, gradient_predivide_factor)
+        return hvdp_keras.wrap_optimizer(optimizer, reduce, backward_passes_per_step)
+
+    def _gradient_reducer(self, op: str, compression: str, gradient_predivide_factor: float) -> Any:
+        """A function reducing a list of gradients across ranks (eagerly or in a tf.function)."""
         name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, self.size())
         horovod_op, comp = _OPS[name], _COMPRESSIONS[compression]
 
@@ -101,7 +104,7 @@ class Backend:
                 prescale_factor=prescale, postscale_factor=postscale,
             ))
 
-        return hvdp_keras.wrap_optimizer(optimizer, reduce)
+        return reduce
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int) -> None:
         if hvdp_keras.is_keras_model(model):
@@ -120,11 +123,82 @@ class Backend:
         )
 
     def allreduce(self, value: Any, op: str, name: Optional[str]) -> Any:
-        if isinstance(value, np.ndarray):
-            return hvd.allreduce(tf.constant(value), op=_OPS[op], name=name).numpy()
-        if isinstance(value, (tf.Tensor, tf.Variable)):
-            return hvd.allreduce(value, op=_OPS[op], name=name)
-        raise TypeError(
-            f"allreduce on tensorflow takes a tf.Tensor, a NumPy array or a Python number, "
-            f"got {type(value).__name__}."
-        )
+        tensor, as_numpy = _as_tensor(value, "allreduce")
+        return _same_kind(hvd.allreduce(tensor, op=_OPS[op], name=name), as_numpy)
+
+    def allgather(self, value: Any, name: Optional[str]) -> Any:
+        tensor, as_numpy = _as_tensor(value, "allgather")
+        return _same_kind(hvd.allgather(tensor, name=name), as_numpy)
+
+    def broadcast(self, value: Any, root_rank: int, name: Optional[str]) -> Any:
+        tensor, as_numpy = _as_tensor(value, "broadcast")
+        return _same_kind(hvd.broadcast(tensor, root_rank, name=name), as_numpy)
+
+    def broadcast_object(self, obj: Any, root_rank: int) -> Any:
+        return hvd.broadcast_object(obj, root_rank=root_rank)
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        return list(hvd.allgather_object(obj))
+
+    def barrier(self) -> None:
+        # horovod.tensorflow 0.28 has no barrier op; a one-element allreduce is one.
+        hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="hvdp.barrier")
+
+    def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
+        if hvdp_keras.is_keras_model(model):
+            return hvdp_keras.named_parameters(model, lambda value: np.asarray(value))
+        if isinstance(model, (list, tuple)) and all(isinstance(v, tf.Variable) for v in model):
+            return [(v.name, v.numpy()) for v in model]
+        raise TypeError(f"expected a Keras 3 model or a list of tf.Variable, got {type(model).__name__}.")
+
+    # Framework-specific extras (beside the neutral names).
+
+    def distributed_gradient_tape(self, tape: Any, op: str, compression: str) -> "DistributedGradientTape":
+        if not isinstance(tape, tf.GradientTape):
+            raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}.")
+        return DistributedGradientTape(tape, self._gradient_reducer(op, compression, 1.0))
+
+
+def _as_tensor(value: Any, caller: str) -> Tuple[Any, bool]:
+    """(tensor, came_as_numpy) for a TensorFlow tensor/variable or a NumPy array."""
+    if isinstance(value, np.ndarray):
+        return tf.constant(value), True
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+        return value, False
+    raise TypeError(
+        f"{caller} on tensorflow takes a tf.Tensor, a NumPy array or a Python number, got {type(value).__name__}."
+    )
+
+
+def _same_kind(result: Any, as_numpy: bool) -> Any:
+    return result.numpy() if as_numpy else result
+
+
+class DistributedGradientTape:
+    """A ``tf.GradientTape`` whose ``gradient()`` returns gradients reduced across ranks.
+
+    Works with Keras 3 variables (Horovod's own DistributedGradientTape does not);
+    a source without a gradient on this rank contributes zeros, so no rank waits.
+    Every other attribute is the wrapped tape's.
+    """
+
+    def __init__(self, tape: Any, reduce: Any) -> None:
+        self._tape = tape
+        self._reduce = reduce
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tape, name)
+
+    def __enter__(self) -> "DistributedGradientTape":
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._tape.__exit__(*exc)
+
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None) -> Any:
+        grads = self._tape.gradient(target, sources, output_gradients=output_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat = [tf.zeros(s.shape, dtype=s.dtype) if g is None else g
+                for g, s in zip(tf.nest.flatten(grads), flat_sources)]
+        return tf.nest.pack_sequence_as(grads, self._reduce(flat))

@@ -1,0 +1,129 @@
+"""The full API, proven equivalent to one process stepping on the whole batch (np=2, Gloo and MPI,
+torch and TensorFlow/Keras 3). Each rank computes the single-process reference itself and reports
+its comparison; the tests check every rank's report and that the ranks agree with each other."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_worker
+
+CONFIGS = [f"{model}/{opt}" for model in ("mlp", "cnn") for opt in ("sgd", "adam")]
+
+
+_JOBS: dict = {}
+
+
+def equivalence_job(framework, controller, tmp_path_factory):
+    """One job per (framework, controller), shared by every test of this module."""
+    if (framework, controller) not in _JOBS:
+        ran = run_worker(f"equivalence_{framework}.py", controller, framework, tmp_path_factory.mktemp(framework))
+        ran.controller, ran.framework = controller, framework
+        _JOBS[framework, controller] = ran
+    return _JOBS[framework, controller]
+
+
+@pytest.fixture(scope="module", params=[(f, c) for f in ("torch", "tensorflow") for c in ("gloo", "mpi")],
+                ids=lambda p: "-".join(p))
+def job(request, tmp_path_factory):
+    return equivalence_job(*request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def torch_job(request, tmp_path_factory):
+    return equivalence_job("torch", request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def tf_job(request, tmp_path_factory):
+    return equivalence_job("tensorflow", request.param, tmp_path_factory)
+
+
+def results(job, key):
+    return [rank["equivalence"][key] for rank in job.ranks]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("option", ["average", "sum", "bpps2", "predivide"])
+def test_matches_single_process_within_rtol_1e5_atol_1e6(job, config, option):
+    for result in results(job, f"{config}/{option}"):
+        assert result["moved"] > 1e-2, "training did not move the parameters"
+        assert result["close"], f"{config}/{option}: max abs diff {result['max_abs']}"
+    assert len({r["digest"] for r in results(job, f"{config}/{option}")}) == 1, "replicas differ"
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_fp16_compression_stays_within_1e3_of_uncompressed(job, config):
+    for result in results(job, f"{config}/fp16_vs_uncompressed"):
+        assert 0 < result["relative_l2"] <= 1e-3, result
+        if config.endswith("sgd"):
+            assert result["max_abs"] <= 1e-3, result
+    assert len({r["digest"] for r in results(job, f"{config}/fp16")}) == 1, "replicas differ"
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_adasum_runs_on_mpi_and_is_refused_with_the_fix_on_gloo(job, config):
+    found = results(job, f"{config}/adasum")
+    if job.controller == "mpi":
+        assert all("error" not in r and r["moved"] > 1e-3 for r in found), found
+        assert len({r["digest"] for r in found}) == 1, "replicas differ"
+    else:
+        assert all("needs Horovod's MPI controller" in r["error"] and "hvdp run --mpi" in r["error"] for r in found)
+
+
+def test_distributed_gradient_tape_matches_single_process(tf_job):
+    for config in CONFIGS:
+        assert all(r["close"] for r in results(tf_job, f"{config}/tape")), config
+
+
+def test_check_consistency_names_the_perturbed_rank_on_every_rank(job):
+    for rank in job.ranks:
+        message = rank["consistency"]["raised"]
+        assert message and message.startswith("Replicas differ from rank 0 on rank(s) 1:"), message
+        assert "1 of 4 parameters differ" in message
+
+
+def test_collectives_return_the_kind_they_were_given(job):
+    expected = {"allgather_tensor": [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]], "allgather_numpy": [0, 1],
+                "allgather_number": [0, 10], "broadcast_tensor": [1.0, 1.0, 1.0], "broadcast_number": 7,
+                "broadcast_object": {"from": 1}, "allgather_object": [["rank", 0], ["rank", 1]], "barrier": True}
+    for rank in job.ranks:
+        assert rank["collectives"] == expected
+
+
+def test_bad_input_gets_clear_errors_on_every_rank(job):
+    accepted = "torch.optim.Optimizer" if job.framework == "torch" else "keras.optimizers.Optimizer"
+    for rank in job.ranks:
+        bad = rank["bad_input"]
+        assert bad["optimizer_type"]["type"] == "TypeError" and accepted in bad["optimizer_type"]["message"]
+        assert bad["unknown_op"]["type"] == "ValueError"
+        assert "Expected one of: average, sum, adasum" in bad["unknown_op"]["message"]
+        assert "Expected one of: none, fp16" in bad["unknown_compression"]["message"]
+        for case, shapes in (("shape_mismatch", "rank 0: float32[3], rank 1: float32[4]"),
+                             ("dtype_mismatch", "rank 0: float32[3], rank 1: float64[3]")):
+            assert bad[case]["type"] == "TensorMismatchError", bad[case]
+            assert shapes in bad[case]["message"] and "grad." in bad[case]["message"]
+            assert bad[case]["seconds"] < 30
+        extra = "tape_on_torch" if job.framework == "torch" else "sync_batch_norm_on_tf"
+        assert bad[extra]["type"] == "FrameworkError"
+        assert bad["after_errors"] == 2.0  # the job goes on after the errors
+
+
+def test_torch_sparse_gradients_missing_gradients_and_sync_batch_norm(torch_job):
+    job = torch_job
+    for rank in job.ranks:
+        assert rank["sparse"]["close"], rank["sparse"]
+        assert rank["sync_batch_norm"]["params"]["close"] and rank["sync_batch_norm"]["running_stats"]["close"]
+        assert rank["missing_grads"]["seconds"] < 30
+    assert len({r["sparse"]["digest"] for r in job.ranks}) == 1
+    assert len({r["missing_grads"]["digest"] for r in job.ranks}) == 1
+
+
+def test_keras_callbacks(tf_job):
+    r0, r1 = (rank["callbacks"] for rank in tf_job.ranks)
+    assert r0["before"] != r1["before"] and r0["after"] == r1["after"]  # BroadcastInitialState
+    assert r0["history"] == r1["history"] and r0["local_losses"] != r1["local_losses"]  # MetricAverage
+    for local0, local1, averaged in zip(r0["local_losses"], r1["local_losses"], r0["history"]):
+        assert averaged == pytest.approx((local0 + local1) / 2, rel=1e-6)
+    lr = r0["lr"]  # LearningRateWarmup over 2 epochs of 4 batches, from 0.2 / 2 to 0.2
+    assert lr[0] == pytest.approx(0.1) and lr[-1] == pytest.approx(0.2) and r0["final_lr"] == pytest.approx(0.2)
+    assert all(b >= a for a, b in zip(lr, lr[1:])) and lr[4] == pytest.approx(0.15)

@@ -1,0 +1,253 @@
+"""torch: N replicas on N slices of a batch take the step one process takes on the whole batch.
+
+Every rank also runs the single-process reference itself (no collectives), so
+each rank reports its own comparison. Plus: sparse gradients, parameters
+without gradients, SyncBatchNorm, check_consistency, the other collectives and
+bad input.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+
+import hvdp
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import _report
+from _report import compare, digest
+
+STEPS, GLOBAL_BATCH, FEATURES, CLASSES = 5, 64, 16, 4
+OPTIONS = {
+    "average": {},
+    "sum": {"op": "sum"},
+    "bpps2": {"backward_passes_per_step": 2},
+    "fp16": {"compression": "fp16"},
+    "adasum": {"op": "adasum"},
+    "predivide": {"gradient_predivide_factor": 2.0},
+}
+
+
+def make_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, CLASSES))
+    return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 4, 4)), torch.nn.Conv2d(1, 6, 3, padding=1),
+                               torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(96, CLASSES))
+
+
+def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def batches(size: int) -> list:
+    data = np.random.default_rng(7)
+    out = []
+    for _ in range(STEPS):
+        x = torch.from_numpy(data.normal(size=(GLOBAL_BATCH, FEATURES)).astype(np.float32))
+        y = torch.from_numpy(data.integers(0, CLASSES, size=GLOBAL_BATCH))
+        out.append([(x[r::size], y[r::size]) for r in range(size)])  # slice r goes to rank r
+    return out
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def flat(model: torch.nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().astype(np.float64)
+
+
+def distributed_run(kind: str, opt_name: str, option: str, data: list, rank: int) -> np.ndarray:
+    model = make_model(kind)
+    opt = hvdp.DistributedOptimizer(make_optimizer(opt_name, model), model, **OPTIONS[option])
+    for step in data:
+        x, y = step[rank]
+        opt.zero_grad()
+        if option == "bpps2":
+            half = len(x) // 2
+            loss_of(model, x[:half], y[:half]).backward()
+            loss_of(model, x[half:], y[half:]).backward()
+        else:
+            loss_of(model, x, y).backward()
+        opt.step()
+    return flat(model)
+
+
+def reference_run(kind: str, opt_name: str, option: str, data: list, size: int) -> np.ndarray:
+    """One process on the whole batch, with the loss that the option implies."""
+    model = make_model(kind)
+    opt = make_optimizer(opt_name, model)
+    for step in data:
+        opt.zero_grad()
+        if option == "sum":
+            loss = sum(loss_of(model, x, y) for x, y in step)
+        elif option == "bpps2":
+            half = len(step[0][0]) // 2
+            loss = sum(loss_of(model, x[:half], y[:half]) + loss_of(model, x[half:], y[half:])
+                       for x, y in step) / size
+        else:
+            loss = sum(loss_of(model, x, y) for x, y in step) / size
+        loss.backward()
+        opt.step()
+    return flat(model)
+
+
+def equivalence(rank: int, size: int) -> dict:
+    data = batches(size)
+    results = {}
+    for kind in ("mlp", "cnn"):
+        for opt_name in ("sgd", "adam"):
+            ref_avg = reference_run(kind, opt_name, "average", data, size)
+            for option in OPTIONS:
+                try:
+                    got = distributed_run(kind, opt_name, option, data, rank)
+                except ValueError as exc:  # adasum under Gloo: the test checks the message
+                    results[f"{kind}/{opt_name}/{option}"] = {"error": str(exc)}
+                    continue
+                ref = ref_avg if option in ("fp16", "adasum", "predivide") else \
+                    reference_run(kind, opt_name, option, data, size)
+                if option == "average":
+                    uncompressed = got
+                if option == "fp16":
+                    worst = int(np.argmax(np.abs(got - uncompressed)))
+                    results[f"{kind}/{opt_name}/fp16_vs_uncompressed"] = {
+                        "max_abs": float(np.abs(got - uncompressed)[worst]), "at_value": float(uncompressed[worst]),
+                        "relative_l2": float(np.linalg.norm(got - uncompressed) / np.linalg.norm(uncompressed))}
+                results[f"{kind}/{opt_name}/{option}"] = {
+                    **compare(got, ref), "digest": digest(got),
+                    "moved": float(np.max(np.abs(got - flat(make_model(kind))))),
+                }
+    return results
+
+
+def sparse_and_missing(rank: int, size: int) -> dict:
+    out = {}
+    # Sparse gradients from nn.Embedding(sparse=True).
+    def embed_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Flatten(),
+                                   torch.nn.Linear(24, CLASSES))
+    data = np.random.default_rng(11)
+    steps = [(torch.from_numpy(data.integers(0, 50, size=(2 * size, 3))), torch.from_numpy(
+        data.integers(0, CLASSES, size=2 * size))) for _ in range(STEPS)]
+    model = embed_model()
+    opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model)
+    ref = embed_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for x, y in steps:
+        opt.zero_grad()
+        loss_of(model, x[rank::size], y[rank::size]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        (sum(loss_of(ref, x[r::size], y[r::size]) for r in range(size)) / size).backward()
+        ref_opt.step()
+    out["sparse"] = {**compare(flat(model), flat(ref)), "digest": digest(flat(model))}
+
+    # A head that gets no gradient on some steps on some ranks.
+    torch.manual_seed(0)
+    trunk, head_a, head_b = torch.nn.Linear(FEATURES, 8), torch.nn.Linear(8, CLASSES), torch.nn.Linear(8, CLASSES)
+    model = torch.nn.ModuleDict({"trunk": trunk, "a": head_a, "b": head_b})
+    opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    start = time.perf_counter()
+    for i, step in enumerate(batches(size)):
+        x, y = step[rank]
+        use_b = rank == 0 or i % 2 == 0
+        opt.zero_grad()
+        h = torch.tanh(trunk(x))
+        loss = loss_of(head_a, h, y) + (loss_of(head_b, h, y) if use_b else 0.0)
+        loss.backward()
+        opt.step()
+    out["missing_grads"] = {"seconds": time.perf_counter() - start, "digest": digest(flat(model))}
+    return out
+
+
+def sync_batch_norm(rank: int, size: int) -> dict:
+    def build(norm: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(0)
+        first, last = torch.nn.Linear(FEATURES, 8), torch.nn.Linear(8, CLASSES)
+        return torch.nn.Sequential(first, norm, torch.nn.ReLU(), last)
+    model = build(hvdp.SyncBatchNorm(8))
+    ref = build(torch.nn.BatchNorm1d(8))
+    opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in batches(size):
+        x, y = step[rank]
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        whole_x, whole_y = torch.cat([s[0] for s in step]), torch.cat([s[1] for s in step])
+        loss_of(ref, whole_x, whole_y).backward()
+        ref_opt.step()
+    stats = lambda m: np.concatenate([m[1].running_mean.numpy(), m[1].running_var.numpy()])  # noqa: E731
+    return {"params": compare(flat(model), flat(ref)), "running_stats": compare(stats(model), stats(ref)),
+            "class": type(model[1]).__name__}
+
+
+def consistency(rank: int) -> dict:
+    model = make_model("mlp")
+    hvdp.check_consistency(model)  # identical: must pass
+    if rank == 1:
+        with torch.no_grad():
+            model[0].weight[0, 0] += 1e-3
+    try:
+        hvdp.check_consistency(model)
+        return {"raised": None}
+    except hvdp.ReplicaMismatchError as exc:
+        return {"raised": str(exc)}
+
+
+def collectives(rank: int, size: int) -> dict:
+    return {
+        "allgather_tensor": hvdp.allgather(torch.full((rank + 1, 2), float(rank))).tolist(),
+        "allgather_numpy": hvdp.allgather(np.array([rank], dtype=np.int32)).tolist(),
+        "allgather_number": hvdp.allgather(rank * 10),
+        "broadcast_tensor": hvdp.broadcast(torch.tensor([float(rank)] * 3), root_rank=1).tolist(),
+        "broadcast_number": hvdp.broadcast(rank + 7, root_rank=0),
+        "broadcast_object": hvdp.broadcast_object({"from": rank}, root_rank=1),
+        "allgather_object": hvdp.allgather_object(("rank", rank)),
+        "barrier": hvdp.barrier() is None,
+    }
+
+
+def bad_input(rank: int) -> dict:
+    out = {}
+    model = make_model("mlp")
+    for case, call in {
+        "optimizer_type": lambda: hvdp.DistributedOptimizer("sgd", model),
+        "unknown_op": lambda: hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), op="mean"),
+        "unknown_compression": lambda: hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1),
+                                                                 compression="int8"),
+        "shape_mismatch": lambda: hvdp.allreduce(torch.zeros(3 + rank), name="grad.w"),
+        "dtype_mismatch": lambda: hvdp.allreduce(np.zeros(3, dtype=np.float32 if rank == 0 else np.float64),
+                                                 name="grad.b"),
+        "tape_on_torch": lambda: hvdp.DistributedGradientTape(None),
+    }.items():
+        start = time.perf_counter()
+        try:
+            call()
+            out[case] = {"type": None}
+        except Exception as exc:  # the test checks the type and message
+            out[case] = {"type": type(exc).__name__, "message": str(exc), "seconds": time.perf_counter() - start}
+    out["after_errors"] = hvdp.allreduce(1.0, op="sum")  # the job still works
+    return out
+
+
+def main() -> None:
+    hvdp.init()
+    rank, size = hvdp.rank(), hvdp.size()
+    record = {"rank": rank, "equivalence": equivalence(rank, size), **sparse_and_missing(rank, size),
+              "sync_batch_norm": sync_batch_norm(rank, size), "consistency": consistency(rank),
+              "collectives": collectives(rank, size), "bad_input": bad_input(rank)}
+    _report.write(rank, record)
+    hvdp.shutdown()
+
+
+if __name__ == "__main__":
+    main()
