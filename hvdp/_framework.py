@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 from typing import TYPE_CHECKING, Optional
 
 from hvdp.errors import FrameworkError, NotInitializedError
@@ -111,6 +112,17 @@ def _check_keras_backend(framework: str, env: "os._Environ[str] | dict") -> None
         )
 
 
+def _check_loaded_keras(framework: str) -> None:
+    """Keras picks its backend when first imported: refuse one imported on another backend."""
+    keras = sys.modules.get("keras")
+    backend = getattr(getattr(keras, "backend", None), "backend", None)
+    if backend is not None and backend() != framework:
+        raise FrameworkError(
+            f"Keras was imported before hvdp.init() and runs on {backend()!r}, not {framework!r}. "
+            f"Import keras after hvdp.init(), or set KERAS_BACKEND={framework} before starting Python."
+        )
+
+
 def load_backend(name: str) -> "Backend":
     """Import the backend for ``name``; turn Horovod import failures into fixes."""
     try:
@@ -147,6 +159,7 @@ def activate(requested: Optional[str]) -> "Backend":
             return _backend
     else:
         os.environ.setdefault("KERAS_BACKEND", name)
+        _check_loaded_keras(name)
         _backend = load_backend(name)
     _backend.init()
     return _backend

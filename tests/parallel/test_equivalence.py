@@ -116,14 +116,3 @@ def test_torch_sparse_gradients_missing_gradients_and_sync_batch_norm(torch_job)
         assert rank["missing_grads"]["seconds"] < 30
     assert len({r["sparse"]["digest"] for r in job.ranks}) == 1
     assert len({r["missing_grads"]["digest"] for r in job.ranks}) == 1
-
-
-def test_keras_callbacks(tf_job):
-    r0, r1 = (rank["callbacks"] for rank in tf_job.ranks)
-    assert r0["before"] != r1["before"] and r0["after"] == r1["after"]  # BroadcastInitialState
-    assert r0["history"] == r1["history"] and r0["local_losses"] != r1["local_losses"]  # MetricAverage
-    for local0, local1, averaged in zip(r0["local_losses"], r1["local_losses"], r0["history"]):
-        assert averaged == pytest.approx((local0 + local1) / 2, rel=1e-6)
-    lr = r0["lr"]  # LearningRateWarmup over 2 epochs of 4 batches, from 0.2 / 2 to 0.2
-    assert lr[0] == pytest.approx(0.1) and lr[-1] == pytest.approx(0.2) and r0["final_lr"] == pytest.approx(0.2)
-    assert all(b >= a for a, b in zip(lr, lr[1:])) and lr[4] == pytest.approx(0.15)

@@ -1,4 +1,4 @@
-"""examples/train_digits.py under hvdp run -np 2: the same script on both frameworks."""
+"""The examples under hvdp run -np 2: the same script on both frameworks, chosen only by the flag."""
 
 from __future__ import annotations
 
@@ -7,15 +7,39 @@ import re
 import pytest
 from harness import REPO, run_job
 
+FRAMEWORKS = ["torch", "tensorflow"]
+_RUNS: dict = {}
 
-@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_train_digits_reaches_95_percent(framework, tmp_path):
-    job = run_job(["--framework", framework, str(REPO / "examples" / "train_digits.py")], tmp_path)
-    assert job.returncode == 0, job.output[-6000:]
-    assert f"hvdp: {framework} on 2 processes" in job.output
-    assert len(re.findall(r"epoch +\d+/20 +loss", job.output)) == 20  # printed once, by rank 0
-    found = re.findall(r"test accuracy: ([0-9.]+) \((\d+)/(\d+), (\w+), 2 processes", job.output)
-    assert len(found) == 1, job.output[-3000:]
-    accuracy, correct, total, name = found[0]
-    assert name == framework and int(total) == 360
-    assert float(accuracy) >= 0.95
+
+def example(script, framework, tmp_path_factory):
+    """Run examples/SCRIPT once per framework; return (output, accuracy, framework reported)."""
+    if (script, framework) not in _RUNS:
+        job = run_job(["--framework", framework, str(REPO / "examples" / script)], tmp_path_factory.mktemp("ex"))
+        assert job.returncode == 0, job.output[-6000:]
+        found = re.findall(r"test accuracy: ([0-9.]+) \((\d+)/(\d+), (\w+), 2 processes", job.output)
+        assert len(found) == 1, job.output[-3000:]  # printed once, by rank 0
+        accuracy, _, total, reported = found[0]
+        assert int(total) == 360
+        _RUNS[script, framework] = (job.output, float(accuracy), reported)
+    return _RUNS[script, framework]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_train_digits_reaches_95_percent(framework, tmp_path_factory):
+    output, accuracy, reported = example("train_digits.py", framework, tmp_path_factory)
+    assert f"hvdp: {framework} on 2 processes" in output
+    assert len(re.findall(r"epoch +\d+/20 +loss", output)) == 20
+    assert reported == framework and accuracy >= 0.95
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_keras_digits_reaches_95_percent_on_the_flagged_backend(framework, tmp_path_factory):
+    output, accuracy, reported = example("keras_digits.py", framework, tmp_path_factory)
+    assert f"on {framework}, 2 processes" in output
+    assert len(re.findall(r"epoch +\d+/20 +loss [0-9.]+ +accuracy", output)) == 20
+    assert reported == framework and accuracy >= 0.95
+
+
+def test_keras_digits_accuracies_of_the_two_frameworks_agree(tmp_path_factory):
+    accuracies = [example("keras_digits.py", framework, tmp_path_factory)[1] for framework in FRAMEWORKS]
+    assert abs(accuracies[0] - accuracies[1]) <= 0.02, accuracies

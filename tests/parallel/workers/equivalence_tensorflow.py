@@ -15,7 +15,6 @@ import numpy as np
 import tensorflow as tf
 
 import hvdp
-import hvdp.keras
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _report
@@ -130,27 +129,6 @@ def equivalence(rank: int, size: int) -> dict:
     return results
 
 
-def callbacks(rank: int, size: int) -> dict:
-    keras.utils.set_random_seed(rank)  # different initial weights per rank
-    model = keras.Sequential([keras.Input(shape=(FEATURES,)), keras.layers.Dense(CLASSES)])
-    model.compile(optimizer=hvdp.DistributedOptimizer(keras.optimizers.SGD(0.2)), loss=LOSS)
-    data = np.random.default_rng(50 + rank)
-    x, y = data.normal(size=(64, FEATURES)).astype(np.float32), data.integers(0, CLASSES, 64)
-    before = flat(model)
-    seen_lr = []
-    record_lr = keras.callbacks.LambdaCallback(
-        on_train_batch_begin=lambda batch, logs: seen_lr.append(
-            float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))))
-    local_losses = []
-    record_loss = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: local_losses.append(logs["loss"]))
-    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False, callbacks=[
-        hvdp.keras.BroadcastInitialState(), hvdp.keras.LearningRateWarmup(warmup_epochs=2), record_lr, record_loss,
-        hvdp.keras.MetricAverage()])
-    return {"before": digest(before), "after": digest(flat(model)), "lr": seen_lr,
-            "final_lr": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
-            "history": [float(v) for v in history.history["loss"]], "local_losses": local_losses}
-
-
 def consistency(rank: int) -> dict:
     model = make_model("mlp")
     hvdp.check_consistency(model)
@@ -201,7 +179,7 @@ def bad_input(rank: int) -> dict:
 def main() -> None:
     hvdp.init()
     rank, size = hvdp.rank(), hvdp.size()
-    record = {"rank": rank, "equivalence": equivalence(rank, size), "callbacks": callbacks(rank, size),
+    record = {"rank": rank, "equivalence": equivalence(rank, size),
               "consistency": consistency(rank), "collectives": collectives(rank, size),
               "bad_input": bad_input(rank)}
     _report.write(rank, record)

@@ -1,0 +1,98 @@
+"""One Keras 3 worker for both Keras backends (the framework comes from hvdp run --framework).
+
+Reports: the Keras backend in use; broadcast_state; model.fit on different data per rank
+against one process trained on the union of the batches; and the hvdp.keras callbacks.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import hvdp
+
+hvdp.init()  # before importing keras: it sets KERAS_BACKEND to the framework
+
+import keras
+
+import hvdp.keras
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import _report
+from _report import compare, digest
+
+FEATURES, CLASSES, PER_RANK_BATCH, STEPS = 16, 4, 16, 3
+
+
+def make_model(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input(shape=(FEATURES,)), keras.layers.Dense(32, activation="tanh"),
+                             keras.layers.Dense(CLASSES)])
+
+
+def flat(model: keras.Model) -> np.ndarray:
+    return np.concatenate([keras.ops.convert_to_numpy(v).reshape(-1) for v in model.trainable_variables]
+                          ).astype(np.float64)
+
+
+def rank_data(rank: int, n: int) -> tuple:
+    data = np.random.default_rng(100 + rank)
+    return data.normal(size=(n, FEATURES)).astype(np.float32), data.integers(0, CLASSES, size=n)
+
+
+def loss() -> keras.losses.Loss:
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def fit_against_union(rank: int, size: int) -> dict:
+    model = make_model(seed=rank)  # different on every rank ...
+    before = flat(model)
+    optimizer = hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=optimizer, loss=loss())
+    hvdp.broadcast_state(model, optimizer)  # ... until broadcast
+    start = flat(model)
+    x, y = rank_data(rank, PER_RANK_BATCH * STEPS)
+    model.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+
+    # One process, same start (rank 0's), each step on the union of the ranks' batches.
+    reference = make_model(seed=0)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss())
+    parts = [rank_data(r, PER_RANK_BATCH * STEPS) for r in range(size)]
+    steps = [(np.concatenate([p[0][s * PER_RANK_BATCH:(s + 1) * PER_RANK_BATCH] for p in parts]),
+              np.concatenate([p[1][s * PER_RANK_BATCH:(s + 1) * PER_RANK_BATCH] for p in parts]))
+             for s in range(STEPS)]
+    reference.fit(np.concatenate([s[0] for s in steps]), np.concatenate([s[1] for s in steps]),
+                  batch_size=PER_RANK_BATCH * size, epochs=1, shuffle=False, verbose=0)
+    return {"before": digest(before), "start": digest(start), "after": flat(model).tolist(),
+            "vs_union": compare(flat(model), flat(reference)), "moved": float(np.max(np.abs(flat(model) - start)))}
+
+
+def callbacks(rank: int, size: int) -> dict:
+    model = make_model(seed=rank)
+    model.compile(optimizer=hvdp.DistributedOptimizer(keras.optimizers.SGD(0.2)), loss=loss())
+    x, y = rank_data(50 + rank, 64)
+    before = flat(model)
+    seen_lr: list = []
+    record_lr = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: seen_lr.append(
+        float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))))
+    local_losses: list = []
+    record_loss = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: local_losses.append(logs["loss"]))
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False, callbacks=[
+        hvdp.keras.BroadcastInitialState(), hvdp.keras.LearningRateWarmup(warmup_epochs=2), record_lr, record_loss,
+        hvdp.keras.MetricAverage()])
+    return {"before": digest(before), "after": digest(flat(model)), "lr": seen_lr,
+            "final_lr": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
+            "history": [float(v) for v in history.history["loss"]], "local_losses": local_losses}
+
+
+def main() -> None:
+    rank, size = hvdp.rank(), hvdp.size()
+    record = {"rank": rank, "framework": hvdp.framework(), "keras_backend": keras.backend.backend(),
+              "fit": fit_against_union(rank, size), "callbacks": callbacks(rank, size)}
+    _report.write(rank, record)
+    hvdp.shutdown()
+
+
+if __name__ == "__main__":
+    main()
