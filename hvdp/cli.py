@@ -17,6 +17,11 @@ def _parser() -> argparse.ArgumentParser:
                    add_help=False)
     doctor = sub.add_parser("doctor", help="show versions, what Horovod was built with, and problems")
     doctor.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    report = sub.add_parser("report", help="per-rank step times and why ranks wait (from hvdp run --profile DIR)")
+    report.add_argument("directory", help="the DIR given to hvdp run --profile or hvdp.profiler.enable")
+    report.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    report.add_argument("--plot", metavar="FILE.png", help="draw per-rank phase bars and step times")
+    report.add_argument("--skip", type=int, default=None, help="warm-up steps to leave out (default: 10%%)")
     build = sub.add_parser("build", help="build Horovod 0.28.1 for the installed frameworks and cache it")
     build.add_argument("--frameworks", default=None,
                        help="comma-separated subset of torch,tensorflow (default: all installed)")
@@ -41,6 +46,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             from hvdp import doctor
 
             return doctor.main(as_json=args.json)
+        if args.cmd == "report":
+            from hvdp import report
+
+            try:
+                return report.main(args.directory, as_json=args.json, plot_path=args.plot, skip=args.skip)
+            except ValueError as exc:
+                print(f"hvdp: error: {exc}", file=sys.stderr)
+                return 2
         if args.cmd == "build":
             from hvdp import build
 

@@ -35,3 +35,11 @@ class ReplicaMismatchError(HvdpError, RuntimeError):
 
 class TensorMismatchError(HvdpError, ValueError):
     """Ranks passed tensors of different shapes or dtypes to the same collective."""
+
+
+class CheckpointError(HvdpError, ValueError):
+    """A checkpoint is missing, corrupt, truncated, from the other framework or another architecture."""
+
+
+class JobFailedError(HvdpError, RuntimeError):
+    """A rank of the job died or stopped taking part in collectives; the job was ended."""

@@ -1,0 +1,139 @@
+"""A step profiler that tells why ranks wait: input skew, compute skew or synchronization.
+
+Mark the phases of your own step and its end; hvdp's DistributedOptimizer records
+the time spent waiting in gradient synchronization itself, as phase ``"sync"``::
+
+    for x, y in loader:
+        with hvdp.profiler.phase("data"):
+            x, y = next_batch()
+        with hvdp.profiler.phase("compute"):
+            loss = loss_fn(model(x), y); loss.backward()
+        optimizer.step()                      # "sync" is measured in here
+        hvdp.profiler.step(examples=len(x))
+
+Nothing is recorded unless profiling is on (``hvdp run --profile DIR`` or
+:func:`enable`); when off, each call is a flag check. When on, every rank appends
+one JSON line per step to ``DIR/rank<N>.jsonl``; ``hvdp report DIR`` reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Callable, Dict, Iterator, List, Optional
+
+#: ``hvdp run --profile DIR`` sets this for every process.
+ENV_VAR = "HVDP_PROFILE_DIR"
+#: The phases ``hvdp report`` knows; others are recorded and reported as given.
+PHASES = ("data", "compute", "sync")
+
+_directory: Optional[Path] = None
+_file: Optional[IO[str]] = None
+_phases: Dict[str, float] = {}
+_step = 0
+_step_start: Optional[float] = None
+_sources: List[Callable[[], float]] = []
+
+
+def enable(directory: Optional[str] = None) -> None:
+    """Turn recording on, writing to ``directory`` (default: ``$HVDP_PROFILE_DIR``).
+
+    Example:
+        >>> hvdp.profiler.enable("/tmp/profile")  # doctest: +SKIP
+    """
+    global _directory
+    chosen = directory or os.environ.get(ENV_VAR)
+    if not chosen:
+        raise ValueError("hvdp.profiler.enable() needs a directory: enable('/path') or hvdp run --profile DIR.")
+    _directory = Path(chosen)
+
+
+def disable() -> None:
+    """Turn recording off and close this rank's file."""
+    global _directory, _file
+    _directory = None
+    if _file is not None:
+        _file.close()
+        _file = None
+
+
+def is_enabled() -> bool:
+    """True when steps are being recorded (``enable()`` or ``$HVDP_PROFILE_DIR``)."""
+    if _directory is None and os.environ.get(ENV_VAR):
+        enable()
+    return _directory is not None
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time the enclosed code as phase ``name`` of the current step.
+
+    Example:
+        >>> with hvdp.profiler.phase("data"):  # doctest: +SKIP
+        ...     x, y = next(batches)
+    """
+    if not is_enabled():
+        yield
+        return
+    _start_step_clock()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        record(name, time.perf_counter() - start)
+
+
+def record(name: str, seconds: float) -> None:
+    """Add ``seconds`` to phase ``name`` of the current step (hvdp uses it for ``"sync"``)."""
+    if is_enabled():
+        _start_step_clock()
+        _phases[name] = _phases.get(name, 0.0) + seconds
+
+
+def add_source(read_and_reset: Callable[[], float]) -> None:
+    """Register a sync timer that is read (and reset) at each step, e.g. one kept inside a tf.function."""
+    _sources.append(read_and_reset)
+
+
+def step(examples: Optional[int] = None) -> None:
+    """End the current step: write its phases and duration for this rank.
+
+    Args:
+        examples: examples this replica processed in the step (for examples/second).
+    """
+    global _step, _step_start, _file
+    if not is_enabled():
+        return
+    now = time.perf_counter()
+    for source in _sources:
+        seconds = source()
+        if seconds:
+            _phases["sync"] = _phases.get("sync", 0.0) + seconds
+    if _file is None and _directory is not None:
+        _file = _open_rank_file(_directory)
+    if _file is None:
+        return
+    line = {"step": _step, "time": time.time(), "seconds": now - (_step_start or now),
+            "phases": {name: round(value, 9) for name, value in _phases.items()}, "examples": examples}
+    _file.write(json.dumps(line) + "\n")
+    _file.flush()
+    _step += 1
+    _phases.clear()
+    _step_start = now
+
+
+def _start_step_clock() -> None:
+    global _step_start
+    if _step_start is None:
+        _step_start = time.perf_counter()
+
+
+def _open_rank_file(directory: Path) -> IO[str]:
+    import hvdp
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rank = hvdp.rank() if hvdp.is_initialized() else int(os.environ.get("HOROVOD_RANK", "0"))
+    return (directory / f"rank{rank}.jsonl").open("a")
