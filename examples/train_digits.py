@@ -45,22 +45,24 @@ def torch_trainer(lr: float, seed: int) -> Tuple[Callable, Callable]:
     import torch
 
     torch.manual_seed(seed)
+    # One GPU per process where there are GPUs (Horovod then reduces with NCCL), else the CPU.
+    device = torch.device("cuda", hvdp.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES))
+        torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES)).to(device)
     optimizer = hvdp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr), model)
     hvdp.broadcast_state(model, optimizer)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def train_step(x: np.ndarray, y: np.ndarray) -> float:
         optimizer.zero_grad()
-        loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
+        loss = loss_fn(model(torch.from_numpy(x).to(device)), torch.from_numpy(y).to(device))
         loss.backward()
         optimizer.step()
         return loss.item()
 
     def predict(x: np.ndarray) -> np.ndarray:
         with torch.no_grad():
-            return model(torch.from_numpy(x)).argmax(dim=1).numpy()
+            return model(torch.from_numpy(x).to(device)).argmax(dim=1).cpu().numpy()
 
     return train_step, predict
 
@@ -76,7 +78,8 @@ def tensorflow_trainer(lr: float, seed: int) -> Tuple[Callable, Callable]:
         keras.layers.Dense(CLASSES),
     ])
     optimizer = hvdp.DistributedOptimizer(keras.optimizers.Adam(learning_rate=lr))
-    model.compile(optimizer=optimizer,
+    # Horovod's ops have no XLA kernels: keep Keras from compiling with XLA, its default on GPUs.
+    model.compile(optimizer=optimizer, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     hvdp.broadcast_state(model, optimizer)
 

@@ -8,6 +8,11 @@ require, each checked to apply once:
    torch >= 2.1 and TensorFlow's absl headers need C++17.
 2. TensorFlow's XLA ops (``xla_mpi_ops.cc``) are compiled only when asked
    (``hvdp build --xla``): they need XLA headers the TensorFlow wheel lacks.
+3. Gloo contexts of process sets (the global one included) use the network
+   interface horovodrun chose (``HOROVOD_GLOO_IFACE``), as the other Gloo
+   contexts do; unpatched, they bind to whatever the host name resolves to,
+   which is a loopback address on Debian-style hosts (``127.0.1.1``), and a
+   multi-host Gloo job dies with "connect [127.0.x.1]: Connection refused".
 
 The wheel is cached outside the repository under a key made of everything that
 changes the binary, so a second build with the same inputs only reinstalls it.
@@ -30,7 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hvdp.errors import BuildError
 
@@ -38,7 +43,7 @@ HOROVOD_VERSION = "0.28.1"
 SDIST_NAME = f"horovod-{HOROVOD_VERSION}.tar.gz"
 SDIST_SHA256 = "92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
 #: Bump whenever the patches below change, so cached wheels are rebuilt.
-PATCH_LEVEL = 1
+PATCH_LEVEL = 2
 #: Python packages Horovod's setup.py imports (we build without isolation).
 BUILD_REQUIREMENTS = ["cloudpickle", "psutil", "pyyaml", "packaging", "setuptools", "wheel"]
 #: Where the record of the installed build lives, inside the horovod package.
@@ -69,6 +74,14 @@ PATCHES = (
           '    list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")\n'
           'endif()',
           "XLA ops need headers the TensorFlow wheel does not ship; opt-in with --xla"),
+    Patch("horovod/common/gloo/gloo_context.cc",
+          "  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+          "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
+          "  gloo_iface_ = global_context.gloo_iface_;\n"
+          "  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+          "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
+          "process-set Gloo contexts ignored HOROVOD_GLOO_IFACE and bound to the address the "
+          "hostname resolves to, 127.0.1.1 on Debian hosts: multi-host Gloo jobs failed"),
 )
 
 
@@ -185,8 +198,8 @@ def _site_dir(module: str) -> Optional[Path]:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def gpu_environment(frameworks: Dict[str, str]) -> Dict[str, str]:
-    """Horovod's NCCL build settings, or BuildError saying what is missing."""
+def framework_cuda_problems(frameworks: Dict[str, str]) -> List[str]:
+    """One line per framework in ``frameworks`` that is not a CUDA build (each probed in its own process)."""
     problems: List[str] = []
     probe = {
         "torch": "import torch; print(torch.version.cuda or '')",
@@ -200,35 +213,79 @@ def gpu_environment(frameworks: Dict[str, str]) -> Dict[str, str]:
                 f"or leave it out: hvdp build --gpu --frameworks "
                 f"{','.join(n for n in frameworks if n != name) or '<other>'})"
             )
-    cuda_home = _find_cuda_home()
+    return problems
+
+
+def _toolkit(environ: Mapping[str, str]) -> Tuple[Dict[str, str], List[str]]:
+    problems: List[str] = []
+    cuda_home = find_cuda_home(environ)
     if not cuda_home:
-        problems.append("the CUDA toolkit (nvcc) was not found: install it or set CUDA_HOME")
-    nccl_home = _find_nccl_home(cuda_home)
+        problems.append("the CUDA toolkit (nvcc) was not found: install it (a CUDA 'devel' image has it) "
+                        "or set CUDA_HOME")
+    elif not (Path(cuda_home) / "bin" / "nvcc").is_file():
+        problems.append(f"CUDA_HOME={cuda_home} has no bin/nvcc: point CUDA_HOME at the CUDA toolkit")
+        cuda_home = None
+    nccl_home = find_nccl_home(cuda_home, environ)
     if not nccl_home:
         problems.append("NCCL (nccl.h and libnccl) was not found: pip install nvidia-nccl-cu12, "
                         "or apt-get install libnccl-dev, or set HOROVOD_NCCL_HOME")
+    if problems or not cuda_home or not nccl_home:
+        return {}, problems
+    return nccl_environment(cuda_home, nccl_home), []
+
+
+def toolkit_environment(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """Horovod's NCCL build settings for the CUDA toolkit and NCCL found from ``environ``.
+
+    Raises BuildError naming what is missing. Does not look at the frameworks
+    (:func:`gpu_environment` does both).
+    """
+    env, problems = _toolkit(os.environ if environ is None else environ)
     if problems:
         raise BuildError("Cannot build Horovod with --gpu:\n  - " + "\n  - ".join(problems))
-    return {"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_CUDA_HOME": str(cuda_home),
-            "HOROVOD_NCCL_HOME": str(nccl_home), "HOROVOD_NCCL_LINK": "SHARED"}
+    return env
 
 
-def _find_cuda_home() -> Optional[str]:
-    explicit = os.environ.get("CUDA_HOME") or os.environ.get("HOROVOD_CUDA_HOME")
+def nccl_environment(cuda_home: str, nccl_home: str) -> Dict[str, str]:
+    """The variables that make Horovod's build use NCCL ring all-reduce on CUDA.
+
+    Example:
+        >>> nccl_environment("/usr/local/cuda", "/usr")["HOROVOD_GPU_OPERATIONS"]
+        'NCCL'
+    """
+    return {"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_CUDA_HOME": cuda_home,
+            "HOROVOD_NCCL_HOME": nccl_home, "HOROVOD_NCCL_LINK": "SHARED"}
+
+
+def gpu_environment(frameworks: Dict[str, str], environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """Horovod's NCCL build settings, or BuildError listing everything that is missing."""
+    env, problems = _toolkit(os.environ if environ is None else environ)
+    problems = framework_cuda_problems(frameworks) + problems
+    if problems:
+        raise BuildError("Cannot build Horovod with --gpu:\n  - " + "\n  - ".join(problems))
+    return env
+
+
+def find_cuda_home(environ: Mapping[str, str]) -> Optional[str]:
+    """``CUDA_HOME`` (or ``HOROVOD_CUDA_HOME``), else the toolkit of the ``nvcc`` on ``PATH`` or in /usr/local/cuda."""
+    explicit = environ.get("CUDA_HOME") or environ.get("HOROVOD_CUDA_HOME")
     if explicit:
         return explicit
-    nvcc = shutil.which("nvcc") or next((p for p in ["/usr/local/cuda/bin/nvcc"] if Path(p).exists()), None)
+    nvcc = shutil.which("nvcc", path=environ.get("PATH")) or next(
+        (p for p in ["/usr/local/cuda/bin/nvcc"] if Path(p).exists()), None)
     return str(Path(nvcc).resolve().parent.parent) if nvcc else None
 
 
-def _find_nccl_home(cuda_home: Optional[str]) -> Optional[str]:
+def find_nccl_home(cuda_home: Optional[str], environ: Mapping[str, str]) -> Optional[str]:
     """A folder with include/nccl.h and lib/libnccl.so.
 
-    The NCCL of PyTorch's CUDA wheels (package nvidia-nccl-cu*) ships only
+    Looked for in ``HOROVOD_NCCL_HOME`` (or ``NCCL_HOME``), then the NCCL of
+    PyTorch's CUDA wheels (package nvidia-nccl-cu*), /usr (Debian's
+    libnccl-dev), and the CUDA toolkit. The pip NCCL ships only
     ``libnccl.so.2``; CMake looks for ``libnccl.so``, so a folder of links is
     made in the cache for it.
     """
-    explicit = os.environ.get("HOROVOD_NCCL_HOME") or os.environ.get("NCCL_HOME")
+    explicit = environ.get("HOROVOD_NCCL_HOME") or environ.get("NCCL_HOME")
     if explicit:
         return explicit
     nvidia = _site_dir("nvidia")
@@ -239,7 +296,7 @@ def _find_nccl_home(cuda_home: Optional[str]) -> Optional[str]:
         libs = [home / "lib", home / "lib" / "x86_64-linux-gnu", home / "lib64"]
         if any((lib / "libnccl.so").exists() for lib in libs):
             return str(home)
-        versioned = sorted((home / "lib").glob("libnccl.so.*"))
+        versioned = sorted(p for lib in libs for p in lib.glob("libnccl.so.*"))
         if versioned:
             linked = cache_dir() / "nccl"
             (linked / "lib").mkdir(parents=True, exist_ok=True)
@@ -249,6 +306,42 @@ def _find_nccl_home(cuda_home: Optional[str]) -> Optional[str]:
                 link.symlink_to(target)
             return str(linked)
     return None
+
+
+def build_environment(options: BuildOptions, frameworks: Dict[str, str], environ: Mapping[str, str],
+                      gpu_env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment ``pip wheel`` builds Horovod in: ``environ`` plus hvdp's settings.
+
+    ``gpu_env`` (from :func:`gpu_environment`) is required with ``options.gpu``.
+
+    Example:
+        >>> env = build_environment(BuildOptions(jobs=2), {"torch": "2.13.0"}, {})
+        >>> env["HOROVOD_WITH_PYTORCH"], env["HOROVOD_WITHOUT_TENSORFLOW"], env["MAKEFLAGS"]
+        ('1', '1', '-j2')
+    """
+    if options.gpu and not gpu_env:
+        raise BuildError("build_environment: --gpu needs the NCCL settings of gpu_environment().")
+    env = dict(environ)
+    if options.gpu and gpu_env:
+        env.update(gpu_env)
+    env.update({
+        "HOROVOD_WITH_GLOO": "1",
+        "HOROVOD_WITHOUT_MXNET": "1",
+        "MAKEFLAGS": f"-j{options.jobs}",
+        "HVDP_WITH_XLA_OPS": "1" if options.xla else "0",
+    })
+    env["HOROVOD_WITH_MPI" if options.mpi else "HOROVOD_WITHOUT_MPI"] = "1"
+    for name, flag in (("torch", "PYTORCH"), ("tensorflow", "TENSORFLOW")):
+        env[f"HOROVOD_WITH_{flag}" if name in frameworks else f"HOROVOD_WITHOUT_{flag}"] = "1"
+    return env
+
+
+def wheel_command(source: Path, out: Path) -> List[str]:
+    """The command that compiles Horovod's patched ``source`` into a wheel in ``out``.
+
+    Without build isolation: Horovod's build imports the installed torch and TensorFlow.
+    """
+    return _pip("wheel", "-v", "--no-deps", "--no-build-isolation", "-w", str(out), str(source))
 
 
 def fetch_sdist(progress: Progress) -> Path:
@@ -374,18 +467,8 @@ def build(options: BuildOptions, progress: Progress = print) -> Path:
         return wheels[0]
 
     check_toolchain(options)
-    env = dict(os.environ)
-    if options.gpu:
-        env.update(gpu_environment(frameworks))
-    env.update({
-        "HOROVOD_WITH_GLOO": "1",
-        "HOROVOD_WITHOUT_MXNET": "1",
-        "MAKEFLAGS": f"-j{options.jobs}",
-        "HVDP_WITH_XLA_OPS": "1" if options.xla else "0",
-    })
-    env["HOROVOD_WITH_MPI" if options.mpi else "HOROVOD_WITHOUT_MPI"] = "1"
-    for name, flag in (("torch", "PYTORCH"), ("tensorflow", "TENSORFLOW")):
-        env[f"HOROVOD_WITH_{flag}" if name in frameworks else f"HOROVOD_WITHOUT_{flag}"] = "1"
+    gpu_env = gpu_environment(frameworks) if options.gpu else None
+    env = build_environment(options, frameworks, os.environ, gpu_env)
 
     sdist = fetch_sdist(progress)
     progress("Installing build requirements ...")
@@ -401,8 +484,7 @@ def build(options: BuildOptions, progress: Progress = print) -> Path:
         log = cache_dir() / "logs" / f"build-{key}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         progress(f"Compiling with {options.jobs} jobs (a few minutes on 2 cores) ...")
-        _run_logged(_pip("wheel", "-v", "--no-deps", "--no-build-isolation", "-w", str(out), str(source)),
-                    env, log, progress)
+        _run_logged(wheel_command(source, out), env, log, progress)
         built = sorted(out.glob("horovod-*.whl"))
         if not built:
             raise BuildError(f"pip wheel finished but left no wheel in {out}; see {log}.")

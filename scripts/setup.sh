@@ -6,11 +6,14 @@ cd "$(dirname "$0")/.."
 
 log() { printf '[setup] %s\n' "$*"; }
 
-# 1. Debian packages: Open MPI (runtime and headers), cmake, a C++ compiler.
+# 1. Debian packages: Open MPI (runtime and headers), cmake, a C++ compiler; for the multi-host
+#    test (tests/cluster/), sshd and ssh, and ip for network namespaces.
 need=()
 { command -v mpirun && command -v mpicxx; } >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
+{ [ -x /usr/sbin/sshd ] && command -v ssh && command -v ssh-keygen; } >/dev/null 2>&1 || need+=(openssh-server openssh-client)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
@@ -29,7 +32,7 @@ fi
 stamp=.venv/.hvdp-setup-stamp
 want=$(sha256sum setup.py scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  log "installing torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, mpi4py and test tools into .venv"
+  log "installing torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, mpi4py, test tools and linters into .venv"
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,tensorflow,mpi,dev]'
   echo "$want" >"$stamp"
 else

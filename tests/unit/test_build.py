@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -46,6 +47,10 @@ def test_patches_make_cxx17_and_xla_opt_in(source):
     assert "set(CMAKE_CXX_STANDARD 17)" in top and "CMAKE_CXX_STANDARD 14" not in top
     assert "CMAKE_CXX_STANDARD 14" not in torch_cmake
     assert 'if("$ENV{HVDP_WITH_XLA_OPS}" STREQUAL "1")\n    list(APPEND TF_SOURCES' in tf_cmake
+    gloo = (source / "horovod/common/gloo/gloo_context.cc").read_text()
+    process_set_init = gloo[gloo.index("void GlooContext::InitializeForProcessSet"):]
+    assert process_set_init.index("gloo_iface_ = global_context.gloo_iface_;") < process_set_init.index(
+        "device_attr.iface = gloo_iface_;")
     # Applying the patches twice fails loudly instead of silently doing nothing.
     with pytest.raises(BuildError, match="expected the line .* once, found it 0 times"):
         build.patch_source(source)
@@ -65,6 +70,73 @@ def test_gpu_build_on_a_cpu_machine_says_what_is_missing():
     with pytest.raises(BuildError) as err:
         build.gpu_environment({"torch": build.framework_versions()["torch"]})
     assert "torch" in str(err.value) and "is not a CUDA build" in str(err.value)
+
+
+def test_hvdp_build_gpu_refuses_here_and_lists_every_missing_piece(tmp_path):
+    env = {**os.environ, "HVDP_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    for var in ("CUDA_HOME", "HOROVOD_CUDA_HOME", "HOROVOD_NCCL_HOME", "NCCL_HOME"):
+        env.pop(var, None)
+    out = subprocess.run([sys.executable, "-m", "hvdp.cli", "build", "--gpu"], capture_output=True, text=True,
+                         cwd=REPO, env=env, check=False, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith("hvdp: error: Cannot build Horovod with --gpu:"), out.stderr
+    # The frameworks here are CPU builds; each is named with the fix (whether nvcc and NCCL
+    # are found depends on the machine: the toolkit tests below cover those messages).
+    assert ("torch 2.13.0+cpu is not a CUDA build (install a CUDA build of torch, or leave it out: "
+            "hvdp build --gpu --frameworks tensorflow)") in out.stderr
+    assert "tensorflow 2.21.0 is not a CUDA build" in out.stderr
+    assert "Compiling" not in out.stdout and not (tmp_path / "cache" / "wheels").exists()
+
+
+def _fake_cuda(root: Path, nccl_libs: tuple) -> Path:
+    """A CUDA toolkit layout with NCCL inside: real files (nvcc never runs here)."""
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    (root / "bin" / "nvcc").chmod(0o755)
+    (root / "include").mkdir()
+    (root / "include" / "nccl.h").write_text("#define NCCL_MAJOR 2\n")
+    for lib in nccl_libs:
+        (root / lib).parent.mkdir(parents=True, exist_ok=True)
+        (root / lib).write_bytes(b"\x7fELF")
+    return root
+
+
+def test_gpu_build_environment_on_a_cuda_layout(tmp_path, monkeypatch):
+    cuda = _fake_cuda(tmp_path / "cuda-12.8", ("lib64/libnccl.so", "lib64/libnccl.so.2"))
+    environ = {"PATH": f"{cuda / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    # nvcc found on PATH: its toolkit is CUDA_HOME; NCCL found in the toolkit.
+    gpu = build.toolkit_environment(environ)
+    assert gpu == {"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_CUDA_HOME": str(cuda),
+                   "HOROVOD_NCCL_HOME": str(cuda), "HOROVOD_NCCL_LINK": "SHARED"}
+    options = build.BuildOptions(frameworks=["torch", "tensorflow"], gpu=True, jobs=8)
+    env = build.build_environment(options, {"torch": "2.13.0+cu128", "tensorflow": "2.21.0"}, environ, gpu)
+    assert {k: v for k, v in env.items() if k.startswith(("HOROVOD_", "HVDP_", "MAKEFLAGS"))} == {
+        **gpu, "HOROVOD_WITH_GLOO": "1", "HOROVOD_WITH_MPI": "1", "HOROVOD_WITH_PYTORCH": "1",
+        "HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1", "MAKEFLAGS": "-j8", "HVDP_WITH_XLA_OPS": "0"}
+    assert env["PATH"] == environ["PATH"]  # the caller's environment is kept
+    command = build.wheel_command(tmp_path / "src", tmp_path / "out")
+    assert command[:3] == [sys.executable, "-m", "pip"] and "--no-build-isolation" in command
+    assert command[-3:] == ["-w", str(tmp_path / "out"), str(tmp_path / "src")]
+    with pytest.raises(BuildError, match="needs the NCCL settings"):
+        build.build_environment(options, {"torch": "2.13.0+cu128"}, environ)
+
+
+def test_pip_nccl_with_only_a_versioned_library_gets_a_folder_of_links(tmp_path, monkeypatch):
+    monkeypatch.setenv("HVDP_CACHE_DIR", str(tmp_path / "cache"))
+    cuda = _fake_cuda(tmp_path / "cuda", ("lib/libnccl.so.2",))
+    gpu = build.toolkit_environment({"CUDA_HOME": str(cuda), "PATH": "/usr/bin:/bin"})
+    linked = Path(gpu["HOROVOD_NCCL_HOME"])
+    assert linked == tmp_path / "cache" / "nccl"
+    assert (linked / "lib" / "libnccl.so").resolve() == (cuda / "lib" / "libnccl.so.2").resolve()
+    assert (linked / "include" / "nccl.h").read_text() == "#define NCCL_MAJOR 2\n"
+
+
+def test_cuda_home_without_nvcc_and_missing_nccl_are_named(tmp_path):
+    (tmp_path / "not-cuda").mkdir()
+    with pytest.raises(BuildError) as err:
+        build.toolkit_environment({"CUDA_HOME": str(tmp_path / "not-cuda"), "PATH": "/usr/bin:/bin"})
+    assert f"CUDA_HOME={tmp_path / 'not-cuda'} has no bin/nvcc" in str(err.value)
+    assert "NCCL (nccl.h and libnccl) was not found" in str(err.value)
 
 
 def test_second_build_is_a_cache_hit():

