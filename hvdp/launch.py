@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,24 +21,43 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from hvdp import _framework
 from hvdp.errors import FrameworkError, LaunchError
 
-USAGE = """usage: hvdp run -np N [--framework torch|tensorflow] [--gloo | --mpi]
-                [-H HOSTS | --hostfile FILE] [--dry-run] [horovodrun options] COMMAND ...
+USAGE = """usage: hvdp run [-np N] [--framework torch|tensorflow] [--gloo | --mpi]
+                [-H HOSTS | --hostfile FILE] [-p PORT] [-i KEY] [--network-interface NIC]
+                [--profile DIR] [--timeline FILE] [--stall-timeout SECONDS]
+                [--dry-run] [horovodrun options] COMMAND ...
 
 Runs COMMAND (a .py file is run with this Python) on N processes through horovodrun.
 
-  -np, --num-proc N     number of processes
+  -np, --num-proc N     number of processes (inside a Slurm allocation: default, all its tasks)
   --framework NAME      torch or tensorflow: hvdp.init() in every process uses it,
                         and Keras 3 models run on the same backend (KERAS_BACKEND)
   --gloo | --mpi        the controller (default: gloo, the faster one on CPU here)
-  -H, --hosts HOSTS     e.g. host1:2,host2:2 (default: localhost:N)
-  --hostfile FILE       one 'host slots=N' per line
+  -H, --hosts HOSTS     e.g. host1:2,host2:2 (default: localhost:N, or inside a Slurm
+                        allocation its nodes and tasks per node)
+  --hostfile FILE       one 'host slots=N' (or 'host:N', or 'host' for 1 slot) per line; # comments
+  -p, --ssh-port PORT   ssh port of every host (default: ssh's own, 22)
+  -i, --ssh-identity-file KEY
+                        private key ssh uses to reach the hosts
+  --network-interface NIC
+                        the interface ranks talk over, e.g. eth0 (repeat, or a,b, for several;
+                        default: horovodrun finds the interfaces common to all hosts)
+  --profile DIR         record hvdp.profiler steps of every rank in DIR (then: hvdp report DIR)
+  --timeline FILE       write Horovod's timeline of the run to FILE (chrome://tracing format)
+  --stall-timeout S     end the job when a rank has not joined a collective for S seconds
+                        (default 300; Horovod's stall inspector, which names the missing ranks
+                        and tensors, runs under --mpi; 0 turns it off)
   --dry-run             print the command and the environment hvdp sets, run nothing
+
+When a rank dies or stalls, every other rank is stopped and hvdp run exits non-zero
+with a line naming the failed rank(s).
 
 Defaults hvdp sets when you have not: OMP_NUM_THREADS, TF_NUM_INTRAOP_THREADS and
 TF_NUM_INTEROP_THREADS so that local processes share the cores instead of
-oversubscribing them. Any other option before COMMAND is passed to horovodrun
-(see horovodrun --help)."""
+oversubscribing them (in a Slurm allocation: SLURM_CPUS_PER_TASK threads). Any other
+option before COMMAND is passed to horovodrun (see horovodrun --help)."""
 
+#: Seconds a rank may stay out of a collective before the job is ended (``--stall-timeout``).
+DEFAULT_STALL_TIMEOUT = 300
 #: Thread settings hvdp fills in when unset (local runs only).
 THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")
 
@@ -45,14 +66,157 @@ THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")
 class RunArgs:
     """The parsed ``hvdp run`` command line."""
 
-    num_proc: int
+    num_proc: Optional[int]
     command: List[str]
     framework: Optional[str] = None
     controller: str = "gloo"
     hosts: Optional[str] = None
     hostfile: Optional[str] = None
+    ssh_port: Optional[int] = None
+    ssh_identity_file: Optional[str] = None
+    network_interfaces: List[str] = field(default_factory=list)
     dry_run: bool = False
     passthrough: List[str] = field(default_factory=list)
+    profile: Optional[str] = None
+    timeline: Optional[str] = None
+    stall_timeout: int = DEFAULT_STALL_TIMEOUT
+
+
+#: A host name or IPv4 address as horovodrun accepts it.
+_HOST = re.compile(r"^[\w.-]+$")
+#: A network interface name (Linux allows at most 15 characters).
+_NIC = re.compile(r"^[\w.:@-]{1,15}$")
+
+
+def parse_hosts(hosts: str, origin: str = "-H") -> List[Tuple[str, int]]:
+    """``host1:2,host2`` as ``[("host1", 2), ("host2", 1)]``: a host without ``:N`` has one slot.
+
+    Example:
+        >>> parse_hosts("node1:2,node2")
+        [('node1', 2), ('node2', 1)]
+    """
+    parsed: List[Tuple[str, int]] = []
+    for item in hosts.split(","):
+        name, colon, slots = item.strip().partition(":")
+        if not _HOST.match(name) or (colon and not slots.isdigit()):
+            raise LaunchError(f"hvdp run: {origin} {hosts!r}: {item.strip()!r} is not HOST or HOST:SLOTS; "
+                              f"write e.g. -H host1:2,host2:2.")
+        count = int(slots) if colon else 1
+        if count < 1:
+            raise LaunchError(f"hvdp run: {origin} {hosts!r}: {name} has {count} slots; give it at least 1.")
+        if any(name == seen for seen, _ in parsed):
+            raise LaunchError(f"hvdp run: {origin} {hosts!r} names {name} twice; give it once with the "
+                              f"sum of its slots.")
+        parsed.append((name, count))
+    return parsed
+
+
+def parse_hostfile(text: str, path: str = "hostfile") -> List[Tuple[str, int]]:
+    """The hosts of a hostfile: ``host slots=N``, ``host:N`` or ``host`` per line, ``#`` comments.
+
+    This is the format of Open MPI, horovodrun and the Kubeflow MPI Operator's ``/etc/mpi/hostfile``.
+
+    Example:
+        >>> parse_hostfile("# two nodes\\nnode1 slots=2\\nnode2:1\\n")
+        [('node1', 2), ('node2', 1)]
+    """
+    items: List[str] = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"([\w.-]+)(?:\s+slots\s*=\s*(\d+)|:(\d+))?(?:\s+max[-_]slots\s*=\s*\d+)?", line)
+        if not match:
+            raise LaunchError(f"hvdp run: {path} line {number}: {raw.strip()!r} is not 'host slots=N' "
+                              f"(or 'host:N', or 'host').")
+        items.append(f"{match.group(1)}:{match.group(2) or match.group(3) or 1}")
+    if not items:
+        raise LaunchError(f"hvdp run: {path} lists no hosts; write one 'host slots=N' per line.")
+    return parse_hosts(",".join(items), origin=f"hostfile {path}:")
+
+
+def expand_nodelist(nodelist: str) -> List[str]:
+    """Expand a Slurm host list (``SLURM_JOB_NODELIST``) into host names, in order.
+
+    Ranges keep the zero padding of their first number; several bracket groups
+    in one name expand to every combination.
+
+    Example:
+        >>> expand_nodelist("node[01-03,07],gpu5")
+        ['node01', 'node02', 'node03', 'node07', 'gpu5']
+    """
+    items: List[str] = []
+    depth, current = 0, ""
+    for char in nodelist.strip():
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            break
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    items.append(current)
+    if depth != 0 or not all(items):
+        raise LaunchError(f"hvdp run: SLURM_JOB_NODELIST {nodelist!r} is not a Slurm host list "
+                          f"(e.g. node[01-03,07],gpu5). Give the hosts with -H instead.")
+    return [host for item in items for host in _expand_host(item, nodelist)]
+
+
+def _expand_host(item: str, nodelist: str) -> List[str]:
+    match = re.search(r"\[([^\[\]]*)\]", item)
+    if match is None:
+        if not _HOST.match(item):
+            raise LaunchError(f"hvdp run: SLURM_JOB_NODELIST {nodelist!r}: {item!r} is not a host name.")
+        return [item]
+    values: List[str] = []
+    for part in match.group(1).split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            raise LaunchError(f"hvdp run: SLURM_JOB_NODELIST {nodelist!r}: [{match.group(1)}] is not a list "
+                              f"of numbers and ranges like [01-03,07].")
+        values += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)] if dash else [low]
+    head, tail = item[:match.start()], item[match.end():]
+    return [host for value in values for host in _expand_host(head + value + tail, nodelist)]
+
+
+def expand_tasks_per_node(spec: str) -> List[int]:
+    """Expand ``SLURM_TASKS_PER_NODE`` (``2(x3),1``) into one task count per node.
+
+    Example:
+        >>> expand_tasks_per_node("2(x3),1")
+        [2, 2, 2, 1]
+    """
+    counts: List[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None or int(match.group(1)) < 1 or int(match.group(2) or 1) < 1:
+            raise LaunchError(f"hvdp run: SLURM_TASKS_PER_NODE {spec!r} is not a Slurm task count list "
+                              f"(e.g. 2(x3),1). Give the hosts with -H instead.")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def slurm_hosts(environ: Mapping[str, str]) -> Optional[List[Tuple[str, int]]]:
+    """The nodes and tasks per node of the Slurm allocation ``environ`` is in, or None outside one.
+
+    Example:
+        >>> slurm_hosts({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"})
+        [('n1', 2), ('n2', 2)]
+    """
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not environ.get("SLURM_JOB_ID") or not nodelist:
+        return None
+    nodes = expand_nodelist(nodelist)
+    tasks = environ.get("SLURM_TASKS_PER_NODE")
+    if not tasks:
+        raise LaunchError(f"hvdp run: inside Slurm job {environ['SLURM_JOB_ID']} but SLURM_TASKS_PER_NODE is "
+                          f"not set; ask Slurm for tasks (#SBATCH --ntasks-per-node=N) or give -H.")
+    counts = expand_tasks_per_node(tasks)
+    if len(counts) != len(nodes):
+        raise LaunchError(f"hvdp run: SLURM_JOB_NODELIST {nodelist!r} has {len(nodes)} nodes but "
+                          f"SLURM_TASKS_PER_NODE {tasks!r} gives {len(counts)} counts; give the hosts with -H.")
+    return list(zip(nodes, counts))
 
 
 def horovodrun_arity() -> Dict[str, int]:
@@ -101,10 +265,14 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
         'torch'
     """
     num_proc: Optional[int] = None
-    framework = hosts = hostfile = None
+    framework = hosts = hostfile = identity = None
+    ssh_port: Optional[int] = None
+    nics: List[str] = []
     controller: Optional[str] = None
     dry_run = False
     passthrough: List[str] = []
+    profile = timeline = None
+    stall_timeout = DEFAULT_STALL_TIMEOUT
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -130,8 +298,27 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
         elif flag in ("-H", "--hosts"):
             hosts = inline or _value(argv, i, flag)
             i += 1 if inline else 2
-        elif flag == "--hostfile":
+        elif flag in ("--hostfile", "-hostfile"):
             hostfile = inline or _value(argv, i, flag)
+            i += 1 if inline else 2
+        elif flag in ("-p", "--ssh-port"):
+            raw = inline or _value(argv, i, flag)
+            if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+                raise LaunchError(f"hvdp run: {flag} {raw!r} is not a port number (1-65535); "
+                                  f"e.g. --ssh-port 2222.")
+            ssh_port = int(raw)
+            i += 1 if inline else 2
+        elif flag in ("-i", "--ssh-identity-file"):
+            identity = inline or _value(argv, i, flag)
+            i += 1 if inline else 2
+        elif flag in ("--network-interface", "--network-interfaces"):
+            raw = inline or _value(argv, i, flag)
+            for nic in raw.split(","):
+                if not _NIC.match(nic.strip()):
+                    raise LaunchError(f"hvdp run: {flag} {raw!r}: {nic.strip()!r} is not a network interface "
+                                      f"name; e.g. --network-interface eth0 (ip -br link lists them).")
+                if nic.strip() not in nics:
+                    nics.append(nic.strip())
             i += 1 if inline else 2
         elif token in ("--gloo", "--mpi"):
             if controller and controller != token[2:]:
@@ -141,6 +328,19 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
         elif token == "--dry-run":
             dry_run = True
             i += 1
+        elif flag == "--profile":
+            profile = inline or _value(argv, i, flag)
+            i += 1 if inline else 2
+        elif flag == "--timeline":
+            timeline = inline or _value(argv, i, flag)
+            i += 1 if inline else 2
+        elif flag == "--stall-timeout":
+            raw = inline or _value(argv, i, flag)
+            if not raw.isdigit():
+                raise LaunchError(f"hvdp run: --stall-timeout {raw!r} is not a whole number of seconds; "
+                                  f"e.g. --stall-timeout 120 (0 turns the check off).")
+            stall_timeout = int(raw)
+            i += 1 if inline else 2
         else:
             table = horovodrun_arity() if arity is None else arity
             if flag not in table:
@@ -150,9 +350,7 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
             passthrough += argv[i:i + 1 + take]
             i += 1 + take
     command = argv[i:]
-    if num_proc is None:
-        raise LaunchError("hvdp run: -np is required (the number of processes), e.g. hvdp run -np 2 train.py.")
-    if num_proc < 1:
+    if num_proc is not None and num_proc < 1:
         raise LaunchError(f"hvdp run: -np {num_proc} must be at least 1.")
     if not command:
         raise LaunchError("hvdp run: no command given; e.g. hvdp run -np 2 examples/train_digits.py.")
@@ -163,9 +361,13 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
             raise LaunchError(str(exc)) from None
     if hosts and hostfile:
         raise LaunchError("hvdp run: give -H/--hosts or --hostfile, not both.")
+    if hosts:
+        parse_hosts(hosts)
     return RunArgs(num_proc=num_proc, command=command, framework=framework,
                    controller=controller or "gloo", hosts=hosts, hostfile=hostfile,
-                   dry_run=dry_run, passthrough=passthrough)
+                   ssh_port=ssh_port, ssh_identity_file=identity, network_interfaces=nics,
+                   dry_run=dry_run, passthrough=passthrough, profile=profile, timeline=timeline,
+                   stall_timeout=stall_timeout)
 
 
 def horovodrun_path() -> str:
@@ -177,12 +379,31 @@ def horovodrun_path() -> str:
     return found
 
 
+def resolve_hosts(args: RunArgs, environ: Mapping[str, str]) -> Tuple[Optional[List[Tuple[str, int]]], str]:
+    """The job's hosts and slots, and where they came from: -H, --hostfile, the Slurm allocation, or none."""
+    if args.hosts:
+        return parse_hosts(args.hosts), "-H"
+    if args.hostfile:
+        path = Path(args.hostfile).expanduser()
+        if not path.is_file():
+            raise LaunchError(f"hvdp run: --hostfile {args.hostfile!r} not found (working directory {os.getcwd()}).")
+        return parse_hostfile(path.read_text(), args.hostfile), "--hostfile"
+    allocation = slurm_hosts(environ)
+    if allocation is not None:
+        return allocation, "the Slurm allocation"
+    return None, ""
+
+
 def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
                   horovodrun: str = "horovodrun") -> Tuple[List[str], Dict[str, str]]:
     """The horovodrun argv and the environment variables hvdp sets for the job.
 
+    Hosts come from ``-H``, else ``--hostfile``, else the Slurm allocation in
+    ``environ`` (``SLURM_JOB_NODELIST`` and ``SLURM_TASKS_PER_NODE``); ``-np``
+    defaults to their slots. With no hosts the job is local.
+
     Example:
-        >>> argv, env = build_command(RunArgs(num_proc=2, command=["t.py"], framework="torch"), {}, 2)
+        >>> argv, env = build_command(RunArgs(num_proc=2, command=["python", "t.py"], framework="torch"), {}, 2)
         >>> env["HVDP_FRAMEWORK"], argv[:3]
         ('torch', ['horovodrun', '-np', '2'])
     """
@@ -199,18 +420,50 @@ def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
     if args.controller == "mpi" and not shutil.which("mpirun", path=environ.get("PATH")):
         raise LaunchError("hvdp run --mpi: mpirun not found. Fix: apt-get install -y openmpi-bin "
                           "libopenmpi-dev, or use --gloo.")
-    if not args.hosts and not args.hostfile:
-        threads = str(max(1, cpu_count // args.num_proc))
+    hosts, origin = resolve_hosts(args, environ)
+    num_proc = args.num_proc
+    if hosts is None:
+        if num_proc is None:
+            raise LaunchError("hvdp run: -np is required (the number of processes), e.g. hvdp run -np 2 train.py.")
+        threads = str(max(1, cpu_count // num_proc))
+    else:
+        slots = sum(count for _, count in hosts)
+        num_proc = slots if num_proc is None else num_proc
+        if num_proc > slots:
+            raise LaunchError(f"hvdp run: -np {num_proc} but the hosts from {origin} have {slots} slots "
+                              f"({_hosts_arg(hosts)}); lower -np or give the hosts more slots (HOST:SLOTS).")
+        # Remote hosts' cores are unknown, except in a Slurm allocation that says how many each task has.
+        threads = environ.get("SLURM_CPUS_PER_TASK", "") if origin == "the Slurm allocation" else ""
+    if threads.isdigit() and int(threads) > 0:
         for var in THREAD_VARS:
             if var not in environ:
                 env[var] = threads
         if "TF_NUM_INTEROP_THREADS" not in environ:
             env["TF_NUM_INTEROP_THREADS"] = "1"
-    argv = [horovodrun, "-np", str(args.num_proc), f"--{args.controller}"]
-    if args.hosts:
-        argv += ["-H", args.hosts]
-    if args.hostfile:
-        argv += ["--hostfile", args.hostfile]
+    if args.profile:
+        env["HVDP_PROFILE_DIR"] = str(Path(args.profile).expanduser().absolute())
+    if args.timeline:
+        env["HOROVOD_TIMELINE"] = str(Path(args.timeline).expanduser().absolute())
+    if args.stall_timeout == 0:
+        env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+    elif "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in environ:
+        # Horovod checks every CHECK seconds and ends the job at the first check past SHUTDOWN.
+        env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(max(1, min(60, args.stall_timeout // 5)))
+        env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(args.stall_timeout)
+    argv = [horovodrun, "-np", str(num_proc), f"--{args.controller}"]
+    if hosts is not None:
+        argv += ["-H", _hosts_arg(hosts)]
+    if args.ssh_port is not None:
+        argv += ["--ssh-port", str(args.ssh_port)]
+    if args.ssh_identity_file:
+        key = Path(args.ssh_identity_file).expanduser()
+        if not key.is_file():
+            raise LaunchError(f"hvdp run: --ssh-identity-file {args.ssh_identity_file!r} not found. Give the "
+                              f"private key whose public half is in the hosts' authorized_keys "
+                              f"(ssh-keygen -t ed25519 makes a pair).")
+        argv += ["--ssh-identity-file", str(key.absolute())]
+    for nic in args.network_interfaces:
+        argv += ["--network-interface", nic]
     argv += args.passthrough
     command = list(args.command)
     if command[0].endswith(".py"):
@@ -220,9 +473,85 @@ def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
     return argv + command, env
 
 
+def _hosts_arg(hosts: List[Tuple[str, int]]) -> str:
+    return ",".join(f"{name}:{count}" for name, count in hosts)
+
+
+_GLOO_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
+_MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+_MPI_STATUS = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
+_MPI_CODE = re.compile(r"Exit code:\s+(\d+)")
+_RAISED = re.compile(r"^\[(?:\d+,)?(\d+)\]<stderr>:([\w.]*(?:Error|Exception|Interrupt)): (.*)$")
+_STALLED = re.compile(r"(?:<stderr>:)?(\d+)!: \[(.*?)\]")
+
+
+class JobWatcher:
+    """Reads the job's output as it passes through and remembers which ranks failed and why."""
+
+    def __init__(self) -> None:
+        self.failed: Dict[int, str] = {}
+        self.stalled: Dict[int, str] = {}
+        self.raised: Dict[int, str] = {}
+        self._mpi_rank: Optional[int] = None
+
+    def feed(self, line: str) -> None:
+        """Look at one line of the job's output."""
+        found = _GLOO_EXIT.search(line)
+        if found and found.group(2) not in ("0", "143", "-15"):  # SIGTERM: stopped by the launcher
+            self.failed.setdefault(int(found.group(1)), describe_exit(int(found.group(2))))
+        found = _MPI_SIGNAL.search(line)
+        if found:
+            self.failed.setdefault(int(found.group(1)), describe_exit(-int(found.group(2))))
+        found = _MPI_STATUS.search(line)
+        if found:
+            self._mpi_rank = int(found.group(1))
+        found = _MPI_CODE.search(line)
+        if found and self._mpi_rank is not None:
+            self.failed.setdefault(self._mpi_rank, describe_exit(int(found.group(1))))
+            self._mpi_rank = None
+        for rank, tensors in _STALLED.findall(line):
+            self.stalled[int(rank)] = tensors
+        found = _RAISED.search(line.rstrip("\n"))
+        if found and "Horovod has been shut down" not in found.group(3):  # a consequence, not a cause
+            self.raised.setdefault(int(found.group(1)), f"{found.group(2).rsplit('.', 1)[-1]}: {found.group(3)}")
+
+    def summary(self, returncode: int) -> str:
+        """One line for the user: which ranks failed or stalled, and that the job was ended."""
+        if self.stalled:
+            ranks = "; ".join(f"rank {r} never submitted {t}" for r, t in sorted(self.stalled.items()))
+            return (f"hvdp: the job was ended: {ranks} (stalled longer than --stall-timeout). "
+                    "Every rank must make the same collective calls in the same order.")
+        causes = {r: f"raised {why}" for r, why in self.raised.items()}
+        for r, why in self.failed.items():
+            causes.setdefault(r, why)
+        if self.raised:  # ranks that exited only because another one failed are not causes
+            causes = {r: why for r, why in causes.items() if r in self.raised or "killed" in why}
+        if causes:
+            ranks = "; ".join(f"rank {r} {why}" for r, why in sorted(causes.items()))
+            return f"hvdp: the job failed: {ranks}. The other ranks were stopped (exit code {returncode})."
+        return f"hvdp: the job failed with exit code {returncode}; see the output above."
+
+
+def describe_exit(code: int) -> str:
+    """``exited with status 3`` or ``was killed by SIGKILL`` for a process exit code.
+
+    Example:
+        >>> describe_exit(-9)
+        'was killed by SIGKILL'
+    """
+    if code < 0 or code > 128:
+        number = -code if code < 0 else code - 128
+        try:
+            return f"was killed by {signal.Signals(number).name}"
+        except ValueError:
+            return f"was killed by signal {number}"
+    return f"exited with status {code}"
+
+
 def run(argv: List[str]) -> int:
-    """Parse, build and start the job; return its exit code."""
+    """Parse, build and start the job; return its exit code (non-zero, with a summary, on failure)."""
     import subprocess
+    import threading
 
     args = parse_run_args(argv)
     command, env = build_command(args, os.environ, os.cpu_count() or 1, horovodrun_path())
@@ -231,4 +560,26 @@ def run(argv: List[str]) -> int:
             print(f"{key}={value}")
         print(" ".join(command))
         return 0
-    return subprocess.call(command, env={**os.environ, **env})
+    watcher = JobWatcher()
+    process = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
+
+    stream = process.stdout
+
+    def relay() -> None:
+        for line in stream if stream is not None else ():
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            watcher.feed(line)
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    try:
+        returncode = process.wait()
+    except KeyboardInterrupt:
+        process.send_signal(signal.SIGINT)
+        returncode = process.wait()
+    reader.join(timeout=10)
+    if returncode != 0:
+        print(watcher.summary(returncode), file=sys.stderr, flush=True)
+    return returncode
