@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import numbers
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
 from hvdp import _framework
+from hvdp import process_sets as _process_sets
 from hvdp.backends.base import COMPRESSIONS, REDUCE_OPS
 from hvdp.data import shard_indices
 from hvdp.errors import (
@@ -28,9 +29,11 @@ from hvdp.errors import (
     HvdpError,
     LaunchError,
     NotInitializedError,
+    ProcessSetError,
     ReplicaMismatchError,
     TensorMismatchError,
 )
+from hvdp.process_sets import ProcessSet
 
 __version__ = "0.1.0"
 
@@ -42,10 +45,13 @@ __all__ = [
     "LaunchError",
     "NotInitializedError",
     "DistributedGradientTape",
+    "ProcessSet",
+    "ProcessSetError",
     "ReplicaMismatchError",
     "SyncBatchNorm",
     "TensorMismatchError",
     "__version__",
+    "add_process_set",
     "allgather",
     "allgather_object",
     "allreduce",
@@ -61,6 +67,7 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "local_size",
+    "my_process_set",
     "rank",
     "shard",
     "shutdown",
@@ -68,22 +75,69 @@ __all__ = [
 ]
 
 
-def init(framework: Optional[str] = None) -> None:
+def init(
+    framework: Optional[str] = None,
+    comm: Any = None,
+    process_sets: Union[Sequence[ProcessSet], str, None] = None,
+) -> None:
     """Choose the framework and initialize Horovod for it.
 
     Args:
         framework: ``"torch"`` or ``"tensorflow"``. When None, the launcher's
             choice (``hvdp run --framework``, i.e. ``HVDP_FRAMEWORK``) is used,
             else the only framework that is installed.
+        comm: run hvdp on part of an MPI job (under ``mpirun`` or ``hvdp run --mpi``):
+            an mpi4py communicator, or a list of MPI_COMM_WORLD ranks. Only the
+            processes in it call ``init``; hvdp's ranks are their ranks in ``comm``.
+        process_sets: :class:`ProcessSet` objects to register (the same list on
+            every rank), or ``"dynamic"`` to add them later with :func:`add_process_set`.
 
     Raises:
         FrameworkError: unknown name, not installed, not built into Horovod, or
             contradicting the launcher.
+        ProcessSetError: ``comm`` or ``process_sets`` do not fit the job.
+        TypeError: ``comm`` is not an mpi4py communicator or a list of ranks.
 
     Example:
         >>> hvdp.init(framework="torch")  # doctest: +SKIP
+        >>> sub = MPI.COMM_WORLD.Split(color=MPI.COMM_WORLD.rank // 2)  # doctest: +SKIP
+        >>> hvdp.init(comm=sub)            # doctest: +SKIP
     """
-    _framework.activate(framework)
+    comm = _process_sets.check_comm(comm)
+    sets, dynamic = _process_sets.check_process_sets(process_sets, comm)
+    _process_sets.start(framework, comm, sets, dynamic)
+
+
+def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
+    """Register a process set while the job runs; every rank calls it, with the same ranks.
+
+    Needs ``hvdp.init(process_sets="dynamic")``.
+
+    Args:
+        process_set: an unregistered :class:`ProcessSet`, or its ranks.
+
+    Returns:
+        The registered set, to pass as ``process_set=``.
+
+    Example:
+        >>> hvdp.init(process_sets="dynamic")                 # doctest: +SKIP
+        >>> evens = hvdp.add_process_set([0, 2])             # doctest: +SKIP
+    """
+    return _process_sets.add(process_set)
+
+
+def my_process_set(process_sets: Sequence[ProcessSet]) -> ProcessSet:
+    """The set, among sets that do not overlap, that holds this rank.
+
+    Raises:
+        ProcessSetError: this rank is in none of the sets, or in several (the sets overlap).
+
+    Example:
+        >>> sets = [hvdp.ProcessSet([0, 1]), hvdp.ProcessSet([2, 3])]  # doctest: +SKIP
+        >>> hvdp.init(process_sets=sets)                              # doctest: +SKIP
+        >>> group = hvdp.my_process_set(sets)                          # doctest: +SKIP
+    """
+    return _process_sets.mine(process_sets)
 
 
 def framework() -> str:
@@ -141,21 +195,32 @@ def _check_choice(what: str, value: object, choices: tuple) -> str:
     return str(value)
 
 
-def _check_op(op: object, backend: Any) -> str:
+def _check_op(op: object, backend: Any, process_set: Optional[ProcessSet] = None) -> str:
     _check_choice("op", op, REDUCE_OPS)
     if op == "adasum" and backend.controller() != "mpi":
         raise ValueError(
             "op='adasum' needs Horovod's MPI controller (Horovod runs Adasum on CPUs over MPI), but this "
             f"job runs on {backend.controller()}. Launch with hvdp run --mpi, or use op='average'."
         )
+    if op == "adasum" and process_set is not None:
+        raise ValueError(
+            f"op='adasum' runs on the whole job only (Horovod 0.28.1 has no Adasum on process sets), "
+            f"got process_set={process_set!r}. Use op='average' or 'sum' within a process set."
+        )
     return str(op)
 
 
-def _check_root(root_rank: object, caller: str) -> int:
-    world = _framework.current(caller).size()
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < world:
-        raise ValueError(f"root_rank={root_rank!r} is not a rank of this job; expected 0..{world - 1}.")
-    return root_rank
+def _check_root(root_rank: object, caller: str, process_set: Optional[ProcessSet] = None) -> int:
+    """``root_rank`` as a rank of the whole job (inside a process set, it counts in the set)."""
+    ranks = _process_sets.members(process_set, caller)
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < len(ranks):
+        if process_set is None:
+            raise ValueError(f"root_rank={root_rank!r} is not a rank of this job; expected 0..{len(ranks) - 1}.")
+        raise ValueError(
+            f"root_rank={root_rank!r} is not a rank of {process_set!r}: inside a process set, root_rank counts "
+            f"in the set, 0..{len(ranks) - 1} (root_rank=0 is its first member, rank {ranks[0]})."
+        )
+    return ranks[root_rank]
 
 
 def DistributedOptimizer(
@@ -166,8 +231,9 @@ def DistributedOptimizer(
     compression: str = "none",
     backward_passes_per_step: int = 1,
     gradient_predivide_factor: float = 1.0,
+    process_set: Optional[ProcessSet] = None,
 ) -> Any:
-    """Wrap an optimizer so every step uses gradients reduced across all processes.
+    """Wrap an optimizer so every step uses gradients reduced across all processes (or a process set).
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` (torch) or a Keras 3 optimizer.
@@ -177,6 +243,8 @@ def DistributedOptimizer(
         backward_passes_per_step: local backward passes per reduction.
         gradient_predivide_factor: with ``op="average"``, divide gradients by
             this factor before summing and by ``size()/factor`` after.
+        process_set: reduce only within this :class:`ProcessSet` (its members
+            train one model; "average" divides by the set's size).
 
     Returns:
         The optimizer to use: same class name and ``isinstance`` as the input.
@@ -185,7 +253,8 @@ def DistributedOptimizer(
         >>> opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), model)  # doctest: +SKIP
     """
     backend = _framework.current("DistributedOptimizer")
-    _check_op(op, backend)
+    handle = _process_sets.handle(process_set, "DistributedOptimizer")
+    _check_op(op, backend, process_set)
     _check_choice("compression", compression, COMPRESSIONS)
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
             or backward_passes_per_step < 1:
@@ -208,22 +277,33 @@ def DistributedOptimizer(
         compression=compression,
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=float(gradient_predivide_factor),
+        process_set=handle,
     )
 
 
-def broadcast_state(model: Any, optimizer: Any = None, root_rank: int = 0) -> None:
+def broadcast_state(
+    model: Any,
+    optimizer: Any = None,
+    root_rank: int = 0,
+    *,
+    process_set: Optional[ProcessSet] = None,
+) -> None:
     """Make every replica start identical: copy parameters and optimizer state from ``root_rank``.
 
     Args:
         model: a ``torch.nn.Module`` or a Keras 3 model (built).
         optimizer: its optimizer, whose state (momentum, Adam moments) is copied too.
-        root_rank: the rank whose values everyone takes.
+        root_rank: the rank whose values everyone takes (with ``process_set``: the
+            rank inside the set, so 0 is the set's first member).
+        process_set: copy only among the members of this :class:`ProcessSet`.
 
     Example:
         >>> hvdp.broadcast_state(model, optimizer)  # doctest: +SKIP
+        >>> hvdp.broadcast_state(model, optimizer, process_set=group)  # doctest: +SKIP
     """
     backend = _framework.current("broadcast_state")
-    backend.broadcast_state(model, optimizer, _check_root(root_rank, "broadcast_state"))
+    handle = _process_sets.handle(process_set, "broadcast_state")
+    backend.broadcast_state(model, optimizer, _check_root(root_rank, "broadcast_state", process_set), handle)
 
 
 def _describe(value: Any) -> str:
@@ -234,7 +314,8 @@ def _describe(value: Any) -> str:
     return f"{dtype_name}{list(getattr(value, 'shape', ()))}"
 
 
-def _run_collective(kind: str, value: Any, name: Optional[str], call: Callable[[], Any]) -> Any:
+def _run_collective(kind: str, value: Any, name: Optional[str], call: Callable[[], Any],
+                    process_set: Optional[ProcessSet] = None) -> Any:
     """Run ``call``; turn Horovod's shape/dtype mismatch into an error naming every rank's tensor."""
     try:
         return call()
@@ -242,7 +323,9 @@ def _run_collective(kind: str, value: Any, name: Optional[str], call: Callable[[
         if "Mismatched" not in str(exc):
             raise
         backend = _framework.current(kind)
-        per_rank = ", ".join(f"rank {r}: {d}" for r, d in enumerate(backend.allgather_object(_describe(value))))
+        described = backend.allgather_object(_describe(value), _process_sets.handle(process_set, kind))
+        ranks = _process_sets.members(process_set, kind)
+        per_rank = ", ".join(f"rank {r}: {d}" for r, d in zip(ranks, described))
         raise TensorMismatchError(
             f"hvdp.{kind} of tensor {name or '(unnamed)'}: ranks passed different shapes or dtypes "
             f"({per_rank}). Every rank must pass the same dtype and shape"
@@ -260,8 +343,9 @@ def _is_python_number(value: Any) -> bool:
     return isinstance(value, numbers.Number) and not isinstance(value, np.generic)
 
 
-def allreduce(value: Any, op: str = "average", name: Optional[str] = None) -> Any:
-    """Reduce ``value`` across all processes and return the result to every one.
+def allreduce(value: Any, op: str = "average", name: Optional[str] = None, *,
+              process_set: Optional[ProcessSet] = None) -> Any:
+    """Reduce ``value`` across all processes (or a process set) and return the result to every one.
 
     Args:
         value: a tensor of the chosen framework, a NumPy array or a Python number;
@@ -269,6 +353,8 @@ def allreduce(value: Any, op: str = "average", name: Optional[str] = None) -> An
             ``"average"``).
         op: ``"average"``, ``"sum"`` or ``"adasum"``.
         name: a name for the collective, the same on every rank (optional).
+        process_set: reduce only among the members of this :class:`ProcessSet`
+            (the same holds for every collective below).
 
     Raises:
         TensorMismatchError: ranks passed different shapes or dtypes.
@@ -277,18 +363,21 @@ def allreduce(value: Any, op: str = "average", name: Optional[str] = None) -> An
         >>> accuracy = hvdp.allreduce(correct, op="sum") / hvdp.allreduce(total, op="sum")  # doctest: +SKIP
     """
     backend = _framework.current("allreduce")
-    _check_op(op, backend)
+    handle = _process_sets.handle(process_set, "allreduce")
+    _check_op(op, backend, process_set)
+    wire = _process_sets.collective_name("allreduce", name, process_set)
     if _is_python_number(value):
         as_float = op == "average" or isinstance(value, float)
         array = _number_as_array(value, as_float)
-        result = _run_collective("allreduce", value, name, lambda: backend.allreduce(array, op, name))[0]
+        result = _run_collective("allreduce", value, name, lambda: backend.allreduce(array, op, wire, handle),
+                                 process_set)[0]
         return float(result) if as_float else int(result)
     if isinstance(value, np.generic):
         value = np.asarray(value)
-    return _run_collective("allreduce", value, name, lambda: backend.allreduce(value, op, name))
+    return _run_collective("allreduce", value, name, lambda: backend.allreduce(value, op, wire, handle), process_set)
 
 
-def allgather(value: Any, name: Optional[str] = None) -> Any:
+def allgather(value: Any, name: Optional[str] = None, *, process_set: Optional[ProcessSet] = None) -> Any:
     """Concatenate every rank's ``value`` along the first dimension, in rank order.
 
     Ranks may pass different first dimensions; a Python number gives a list
@@ -298,61 +387,77 @@ def allgather(value: Any, name: Optional[str] = None) -> Any:
         >>> losses = hvdp.allgather(torch.tensor([loss]))  # doctest: +SKIP
     """
     backend = _framework.current("allgather")
+    handle = _process_sets.handle(process_set, "allgather")
+    wire = _process_sets.collective_name("allgather", name, process_set)
     if _is_python_number(value):
         array = _number_as_array(value, False)
-        return _run_collective("allgather", value, name, lambda: backend.allgather(array, name)).tolist()
-    return _run_collective("allgather", value, name, lambda: backend.allgather(value, name))
+        return _run_collective("allgather", value, name, lambda: backend.allgather(array, wire, handle),
+                               process_set).tolist()
+    return _run_collective("allgather", value, name, lambda: backend.allgather(value, wire, handle), process_set)
 
 
-def broadcast(value: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+def broadcast(value: Any, root_rank: int = 0, name: Optional[str] = None, *,
+              process_set: Optional[ProcessSet] = None) -> Any:
     """``root_rank``'s ``value`` on every rank (same kind as given).
+
+    With ``process_set``, ``root_rank`` counts inside the set (0 is its first member).
 
     Example:
         >>> seed = hvdp.broadcast(np.array([seed]), root_rank=0)  # doctest: +SKIP
     """
     backend = _framework.current("broadcast")
-    root = _check_root(root_rank, "broadcast")
+    handle = _process_sets.handle(process_set, "broadcast")
+    root = _check_root(root_rank, "broadcast", process_set)
+    wire = _process_sets.collective_name("broadcast", name, process_set)
     if _is_python_number(value):
         array = _number_as_array(value, False)
-        result = _run_collective("broadcast", value, name, lambda: backend.broadcast(array, root, name))[0]
+        result = _run_collective("broadcast", value, name, lambda: backend.broadcast(array, root, wire, handle),
+                                 process_set)[0]
         return type(value)(result)
-    return _run_collective("broadcast", value, name, lambda: backend.broadcast(value, root, name))
+    return _run_collective("broadcast", value, name, lambda: backend.broadcast(value, root, wire, handle),
+                           process_set)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
-    """``root_rank``'s picklable Python object, on every rank.
+def broadcast_object(obj: Any, root_rank: int = 0, *, process_set: Optional[ProcessSet] = None) -> Any:
+    """``root_rank``'s picklable Python object, on every rank (of ``process_set``).
 
     Example:
         >>> config = hvdp.broadcast_object(config if hvdp.rank() == 0 else None)  # doctest: +SKIP
     """
     backend = _framework.current("broadcast_object")
-    return backend.broadcast_object(obj, _check_root(root_rank, "broadcast_object"))
+    handle = _process_sets.handle(process_set, "broadcast_object")
+    return backend.broadcast_object(obj, _check_root(root_rank, "broadcast_object", process_set), handle)
 
 
-def allgather_object(obj: Any) -> List[Any]:
-    """Every rank's picklable Python object, as a list in rank order.
+def allgather_object(obj: Any, *, process_set: Optional[ProcessSet] = None) -> List[Any]:
+    """Every rank's picklable Python object, as a list in rank order (of ``process_set``).
 
     Example:
         >>> hosts = hvdp.allgather_object(socket.gethostname())  # doctest: +SKIP
     """
-    return _framework.current("allgather_object").allgather_object(obj)
+    backend = _framework.current("allgather_object")
+    handle = _process_sets.handle(process_set, "allgather_object")
+    return backend.allgather_object(obj, handle)
 
 
-def barrier() -> None:
-    """Return once every rank has reached this call.
+def barrier(*, process_set: Optional[ProcessSet] = None) -> None:
+    """Return once every rank (of ``process_set``) has reached this call.
 
     Example:
         >>> hvdp.barrier()  # doctest: +SKIP
     """
-    _framework.current("barrier").barrier()
+    backend = _framework.current("barrier")
+    handle = _process_sets.handle(process_set, "barrier")
+    backend.barrier(handle)
 
 
-def check_consistency(model: Any) -> None:
+def check_consistency(model: Any, *, process_set: Optional[ProcessSet] = None) -> None:
     """Check that every replica holds exactly rank 0's trainable parameters.
 
     Compares a digest of each parameter across ranks (bit-exact: replicas
     updated by :func:`DistributedOptimizer` from the same start are identical).
     BatchNorm running statistics are buffers, not parameters, and are not compared.
+    With ``process_set``, the set's members are compared with its first member.
 
     Raises:
         ReplicaMismatchError: naming each rank that differs and its first differing parameters.
@@ -361,32 +466,35 @@ def check_consistency(model: Any) -> None:
         >>> hvdp.check_consistency(model)  # doctest: +SKIP
     """
     backend = _framework.current("check_consistency")
+    handle = _process_sets.handle(process_set, "check_consistency")
     mine = [(name, list(array.shape), hashlib.blake2b(np.ascontiguousarray(array).tobytes(), digest_size=16)
              .hexdigest()) for name, array in backend.named_parameters(model)]
-    everyone = backend.allgather_object(mine)
+    everyone = backend.allgather_object(mine, handle)
+    ranks = _process_sets.members(process_set, "check_consistency")
     reference = everyone[0]
     problems = []
-    for rank_, theirs in enumerate(everyone):
+    for rank_, theirs in zip(ranks, everyone):
         if theirs == reference:
             continue
         if [(n, s) for n, s, _ in theirs] != [(n, s) for n, s, _ in reference]:
             problems.append(f"rank {rank_} has a different architecture ({len(theirs)} parameters vs "
-                            f"{len(reference)} on rank 0)")
+                            f"{len(reference)} on rank {ranks[0]})")
             continue
         differing = [n for (n, _, d), (_, _, d0) in zip(theirs, reference) if d != d0]
         problems.append(f"rank {rank_} ({len(differing)} of {len(reference)} parameters differ, e.g. "
                         f"{', '.join(differing[:3])})")
     if problems:
-        ranks = [p.split(" ", 2)[1] for p in problems]
+        differing_ranks = [p.split(" ", 2)[1] for p in problems]
         raise ReplicaMismatchError(
-            f"Replicas differ from rank 0 on rank(s) {', '.join(ranks)}: {'; '.join(problems)}. "
+            f"Replicas differ from rank {ranks[0]} on rank(s) {', '.join(differing_ranks)}: {'; '.join(problems)}. "
             "Start every replica with hvdp.broadcast_state(model, optimizer) and step with "
             "hvdp.DistributedOptimizer."
         )
 
 
-def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str = "none") -> Any:
-    """TensorFlow only: a ``tf.GradientTape`` whose ``gradient()`` is reduced across ranks.
+def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str = "none",
+                            process_set: Optional[ProcessSet] = None) -> Any:
+    """TensorFlow only: a ``tf.GradientTape`` whose ``gradient()`` is reduced across ranks (of ``process_set``).
 
     Example:
         >>> with tf.GradientTape() as tape:  # doctest: +SKIP
@@ -394,7 +502,8 @@ def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str 
         >>> grads = hvdp.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
     """
     backend = _framework.current("DistributedGradientTape")
-    _check_op(op, backend)
+    handle = _process_sets.handle(process_set, "DistributedGradientTape")
+    _check_op(op, backend, process_set)
     _check_choice("compression", compression, COMPRESSIONS)
     make = getattr(backend, "distributed_gradient_tape", None)
     if make is None:
@@ -402,7 +511,7 @@ def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str 
             f"hvdp.DistributedGradientTape is for TensorFlow; the framework is {backend.name!r}. "
             "Use hvdp.DistributedOptimizer instead."
         )
-    return make(tape, op, compression)
+    return make(tape, op, compression, handle)
 
 
 def SyncBatchNorm(num_features: int, **kwargs: Any) -> Any:
@@ -431,16 +540,23 @@ def shard(
     seed: int = 0,
     epoch: int = 0,
     drop_remainder: bool = False,
+    process_set: Optional[ProcessSet] = None,
 ) -> np.ndarray:
     """The indices of the examples this rank should use in this epoch.
 
     Shards cover the data, overlap only in padding, and have the same length
-    on every rank (see :func:`hvdp.data.shard_indices` for the rules).
+    on every rank (see :func:`hvdp.data.shard_indices` for the rules). With
+    ``process_set``, the data is split among the set's members only.
 
     Example:
         >>> for epoch in range(3):                      # doctest: +SKIP
         ...     idx = hvdp.shard(len(x), seed=42, epoch=epoch)
     """
     backend = _framework.current("shard")
-    return shard_indices(n_examples, backend.rank(), backend.size(), shuffle=shuffle, seed=seed,
+    if process_set is None:
+        rank_, size_ = backend.rank(), backend.size()
+    else:
+        _process_sets.handle(process_set, "shard")
+        rank_, size_ = process_set.rank(), process_set.size()
+    return shard_indices(n_examples, rank_, size_, shuffle=shuffle, seed=seed,
                          epoch=epoch, drop_remainder=drop_remainder)

@@ -13,9 +13,9 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
-from hvdp.errors import FrameworkError, NotInitializedError
+from hvdp.errors import FrameworkError, NotInitializedError, ProcessSetError
 
 if TYPE_CHECKING:
     from hvdp.backends.base import Backend
@@ -32,6 +32,7 @@ INSTALL_HINT = {
 _BACKEND_MODULE = {"torch": "hvdp.backends.torch", "tensorflow": "hvdp.backends.tensorflow"}
 
 _backend: Optional["Backend"] = None
+_generation = 0
 
 
 def check_name(name: object, source: str) -> str:
@@ -145,9 +146,24 @@ def load_backend(name: str) -> "Backend":
     return backend
 
 
-def activate(requested: Optional[str]) -> "Backend":
-    """Choose and initialize the backend (idempotent for the same framework)."""
-    global _backend
+def activate(
+    requested: Optional[str],
+    comm: Any = None,
+    process_sets: Sequence[List[int]] = (),
+    dynamic: bool = False,
+) -> Optional[List[Any]]:
+    """Choose and initialize the backend (idempotent for the same framework and no new groups).
+
+    Args:
+        requested: the framework the script asked for, or None.
+        comm: None, an mpi4py communicator or a list of MPI ranks (validated).
+        process_sets: the ranks of each process set to register at start.
+        dynamic: whether process sets may be added later.
+
+    Returns:
+        The backend's handle of each process set, or None when hvdp was already running.
+    """
+    global _backend, _generation
     name = resolve(requested)
     if _backend is not None:
         if _backend.name != name:
@@ -156,13 +172,24 @@ def activate(requested: Optional[str]) -> "Backend":
                 f"to {name!r} in the same process. Call hvdp.shutdown() first."
             )
         if _backend.is_initialized():
-            return _backend
+            if comm is not None or process_sets or dynamic:
+                raise ProcessSetError(
+                    "hvdp is already initialized, and comm= and process_sets= only apply when it starts. "
+                    "Pass them to the first hvdp.init(), or call hvdp.shutdown() first."
+                )
+            return None
     else:
         os.environ.setdefault("KERAS_BACKEND", name)
         _check_loaded_keras(name)
         _backend = load_backend(name)
-    _backend.init()
-    return _backend
+    handles = _backend.init(comm, [list(ranks) for ranks in process_sets], dynamic)
+    _generation += 1
+    return handles
+
+
+def generation() -> int:
+    """A number that changes at every start and shutdown: process sets registered earlier are stale."""
+    return _generation
 
 
 def current(caller: str) -> "Backend":
@@ -182,5 +209,7 @@ def chosen() -> Optional[str]:
 
 def deactivate() -> None:
     """Shut Horovod down; the backend stays loaded so init() can run again."""
+    global _generation
     if _backend is not None and _backend.is_initialized():
         _backend.shutdown()
+        _generation += 1

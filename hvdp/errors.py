@@ -43,3 +43,8 @@ class CheckpointError(HvdpError, ValueError):
 
 class JobFailedError(HvdpError, RuntimeError):
     """A rank of the job died or stopped taking part in collectives; the job was ended."""
+
+
+class ProcessSetError(HvdpError, ValueError):
+    """A communicator or process set was defined or used wrongly (``hvdp.init(comm=...)``,
+    ``hvdp.ProcessSet``, ``process_set=``)."""

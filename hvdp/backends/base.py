@@ -7,6 +7,10 @@ the facade says clearly when the chosen framework has no such extra.
 The facade in ``hvdp/__init__.py`` validates arguments and dispatches to it; the
 backend is the only place that touches the framework and ``horovod.<framework>``.
 ``tests/unit/test_backends_contract.py`` checks each backend against this Protocol.
+
+``process_set`` arguments are the handles the backend returned from ``init`` or
+``add_process_set`` (Horovod's process set objects), or None for the whole job;
+``root_rank`` is always a rank of the whole job.
 """
 
 from __future__ import annotations
@@ -42,8 +46,16 @@ class Backend(Protocol):
     #: The framework name, one of ``hvdp._framework.FRAMEWORKS``.
     name: str
 
-    def init(self) -> None:
-        """Initialize Horovod for this framework (idempotent)."""
+    def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
+        """Initialize Horovod for this framework; return a handle per process set.
+
+        ``comm``: None (every process), an mpi4py communicator or a list of MPI ranks;
+        ``process_sets``: the ranks of each set to register; ``dynamic``: allow
+        ``add_process_set`` later.
+        """
+
+    def add_process_set(self, ranks: List[int]) -> Any:
+        """Register a process set while running; its handle, or None if one with these ranks exists."""
 
     def shutdown(self) -> None:
         """Shut Horovod down."""
@@ -81,29 +93,30 @@ class Backend(Protocol):
         compression: str,
         backward_passes_per_step: int,
         gradient_predivide_factor: float,
+        process_set: Any,
     ) -> Any:
-        """Wrap ``optimizer`` so each step reduces gradients across processes."""
+        """Wrap ``optimizer`` so each step reduces gradients across the processes of ``process_set``."""
 
-    def broadcast_state(self, model: Any, optimizer: Any, root_rank: int) -> None:
+    def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
         """Overwrite parameters (and optimizer state) with those of ``root_rank``."""
 
-    def allreduce(self, value: Any, op: str, name: Optional[str]) -> Any:
+    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
         """Reduce a framework tensor or NumPy array; return the same kind."""
 
-    def allgather(self, value: Any, name: Optional[str]) -> Any:
+    def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
         """Concatenate every rank's tensor or array along the first dimension."""
 
-    def broadcast(self, value: Any, root_rank: int, name: Optional[str]) -> Any:
+    def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
         """``root_rank``'s tensor or array, on every rank."""
 
-    def broadcast_object(self, obj: Any, root_rank: int) -> Any:
+    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any) -> Any:
         """``root_rank``'s picklable object, on every rank."""
 
-    def allgather_object(self, obj: Any) -> List[Any]:
+    def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
         """Every rank's picklable object, in rank order."""
 
-    def barrier(self) -> None:
-        """Return once every rank has called it."""
+    def barrier(self, process_set: Any) -> None:
+        """Return once every rank (of ``process_set``) has called it."""
 
     def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
         """(name, NumPy array) for each trainable parameter of ``model``."""

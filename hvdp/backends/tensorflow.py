@@ -21,6 +21,11 @@ _OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 
 
+def _set(process_set: Any) -> Any:
+    """Horovod's process set for hvdp's handle (None: the whole job)."""
+    return hvd.global_process_set if process_set is None else process_set
+
+
 def _refuse_xla() -> None:
     """Horovod's ops have no XLA kernels unless built with them: fail clearly."""
     from tensorflow.python.ops import control_flow_util
@@ -40,8 +45,18 @@ class Backend:
 
     name = "tensorflow"
 
-    def init(self) -> None:
-        hvd.init()
+    def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
+        handles = [hvd.ProcessSet(ranks) for ranks in process_sets]
+        hvd.init(comm=comm, process_sets=handles or ("dynamic" if dynamic else None))
+        return handles
+
+    def add_process_set(self, ranks: List[int]) -> Any:
+        try:
+            return hvd.add_process_set(ranks)
+        except ValueError as exc:
+            if "duplicate" in str(exc):
+                return None
+            raise
 
     def shutdown(self) -> None:
         hvd.shutdown()
@@ -79,6 +94,7 @@ class Backend:
         compression: str,
         backward_passes_per_step: int,
         gradient_predivide_factor: float,
+        process_set: Any,
     ) -> Any:
         if not hvdp_keras.is_keras_optimizer(optimizer):
             raise TypeError(
@@ -86,13 +102,15 @@ class Backend:
                 f"(keras.optimizers.Optimizer), got {type(optimizer).__module__}."
                 f"{type(optimizer).__name__}."
             )
-        reduce = self._gradient_reducer(op, compression, gradient_predivide_factor)
+        reduce = self._gradient_reducer(op, compression, gradient_predivide_factor, process_set)
         return hvdp_keras.wrap_optimizer(optimizer, reduce, backward_passes_per_step)
 
-    def _gradient_reducer(self, op: str, compression: str, gradient_predivide_factor: float) -> Any:
+    def _gradient_reducer(self, op: str, compression: str, gradient_predivide_factor: float,
+                          process_set: Any) -> Any:
         """A function reducing a list of gradients across ranks (eagerly or in a tf.function)."""
-        name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, self.size())
-        horovod_op, comp = _OPS[name], _COMPRESSIONS[compression]
+        size = self.size() if process_set is None else int(process_set.size())
+        name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
+        horovod_op, comp, horovod_set = _OPS[name], _COMPRESSIONS[compression], _set(process_set)
 
         def reduce(tensors: List[Any]) -> List[Any]:
             _refuse_xla()
@@ -101,48 +119,51 @@ class Backend:
                 return [hvd.allreduce(t, op=horovod_op, compression=comp) for t in tensors]
             return list(hvd.grouped_allreduce(
                 tensors, op=horovod_op, compression=comp,
-                prescale_factor=prescale, postscale_factor=postscale,
+                prescale_factor=prescale, postscale_factor=postscale, process_set=horovod_set,
             ))
 
         return reduce
 
-    def broadcast_state(self, model: Any, optimizer: Any, root_rank: int) -> None:
+    def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
+        horovod_set = _set(process_set)
         if hvdp_keras.is_keras_model(model):
             hvdp_keras.broadcast_state(
                 model, optimizer, root_rank,
-                lambda value, root, name: hvd.broadcast(tf.convert_to_tensor(value), root, name=name),
+                lambda value, root, name: hvd.broadcast(tf.convert_to_tensor(value), root, name=name,
+                                                        process_set=horovod_set),
             )
             return
         if isinstance(model, (list, tuple)) and all(isinstance(v, tf.Variable) for v in model):
             for index, variable in enumerate(model):
-                variable.assign(hvd.broadcast(variable, root_rank, name=f"hvdp.state.{index}"))
+                variable.assign(hvd.broadcast(variable, root_rank, name=f"hvdp.state.{index}",
+                                              process_set=horovod_set))
             return
         raise TypeError(
             f"broadcast_state on tensorflow takes a Keras 3 model or a list of tf.Variable, "
             f"got {type(model).__name__}."
         )
 
-    def allreduce(self, value: Any, op: str, name: Optional[str]) -> Any:
+    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = _as_tensor(value, "allreduce")
-        return _same_kind(hvd.allreduce(tensor, op=_OPS[op], name=name), as_numpy)
+        return _same_kind(hvd.allreduce(tensor, op=_OPS[op], name=name, process_set=_set(process_set)), as_numpy)
 
-    def allgather(self, value: Any, name: Optional[str]) -> Any:
+    def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = _as_tensor(value, "allgather")
-        return _same_kind(hvd.allgather(tensor, name=name), as_numpy)
+        return _same_kind(hvd.allgather(tensor, name=name, process_set=_set(process_set)), as_numpy)
 
-    def broadcast(self, value: Any, root_rank: int, name: Optional[str]) -> Any:
+    def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = _as_tensor(value, "broadcast")
-        return _same_kind(hvd.broadcast(tensor, root_rank, name=name), as_numpy)
+        return _same_kind(hvd.broadcast(tensor, root_rank, name=name, process_set=_set(process_set)), as_numpy)
 
-    def broadcast_object(self, obj: Any, root_rank: int) -> Any:
-        return hvd.broadcast_object(obj, root_rank=root_rank)
+    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any) -> Any:
+        return hvd.broadcast_object(obj, root_rank=root_rank, process_set=_set(process_set))
 
-    def allgather_object(self, obj: Any) -> List[Any]:
-        return list(hvd.allgather_object(obj))
+    def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
+        return list(hvd.allgather_object(obj, process_set=_set(process_set)))
 
-    def barrier(self) -> None:
+    def barrier(self, process_set: Any) -> None:
         # horovod.tensorflow 0.28 has no barrier op; a one-element allreduce is one.
-        hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="hvdp.barrier")
+        hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="hvdp.barrier", process_set=_set(process_set))
 
     def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
         if hvdp_keras.is_keras_model(model):
@@ -153,10 +174,11 @@ class Backend:
 
     # Framework-specific extras (beside the neutral names).
 
-    def distributed_gradient_tape(self, tape: Any, op: str, compression: str) -> "DistributedGradientTape":
+    def distributed_gradient_tape(self, tape: Any, op: str, compression: str,
+                                  process_set: Any) -> "DistributedGradientTape":
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}.")
-        return DistributedGradientTape(tape, self._gradient_reducer(op, compression, 1.0))
+        return DistributedGradientTape(tape, self._gradient_reducer(op, compression, 1.0, process_set))
 
 
 def _as_tensor(value: Any, caller: str) -> Tuple[Any, bool]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, List, Optional, Tuple
 
+import cloudpickle
 import horovod.torch as hvd
 import numpy as np
 import torch
@@ -34,6 +35,22 @@ def _as_tensor(value: Any, caller: str) -> Tuple[torch.Tensor, bool]:
 
 def _same_kind(result: torch.Tensor, as_numpy: bool) -> Any:
     return result.detach().numpy() if as_numpy else result
+
+
+def _set(process_set: Any) -> Any:
+    """Horovod's process set for hvdp's handle (None: the whole job)."""
+    return hvd.global_process_set if process_set is None else process_set
+
+
+def _cpu(value: Any) -> Any:
+    """``value`` with every tensor inside moved to the CPU (to pickle optimizer state)."""
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu(item) for item in value)
+    return value
 
 
 class SyncBatchNorm(hvd.SyncBatchNorm):
@@ -82,8 +99,18 @@ class Backend:
 
     name = "torch"
 
-    def init(self) -> None:
-        hvd.init()
+    def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
+        handles = [hvd.ProcessSet(ranks) for ranks in process_sets]
+        hvd.init(comm=comm, process_sets=handles or ("dynamic" if dynamic else None))
+        return handles
+
+    def add_process_set(self, ranks: List[int]) -> Any:
+        try:
+            return hvd.add_process_set(ranks)
+        except ValueError as exc:
+            if "duplicate" in str(exc):
+                return None
+            raise
 
     def shutdown(self) -> None:
         hvd.shutdown()
@@ -121,7 +148,9 @@ class Backend:
         compression: str,
         backward_passes_per_step: int,
         gradient_predivide_factor: float,
+        process_set: Any,
     ) -> Any:
+        horovod_set = _set(process_set)
         if isinstance(optimizer, torch.optim.Optimizer):
             named: Optional[list] = None
             if model is not None:
@@ -139,17 +168,21 @@ class Backend:
                 backward_passes_per_step=backward_passes_per_step,
                 op=_OPS[op],
                 gradient_predivide_factor=gradient_predivide_factor,
+                process_set=horovod_set,
             )
         if hvdp_keras.is_keras_optimizer(optimizer):
-            name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, self.size())
+            size = self.size() if process_set is None else int(process_set.size())
+            name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
             horovod_op, comp = _OPS[name], _COMPRESSIONS[compression]
 
+            # Named: Horovod's torch names for unnamed tensors count per process, not per set.
             def reduce(tensors: List[Any]) -> List[Any]:
                 if name == "adasum":
-                    return [hvd.allreduce(t, op=horovod_op, compression=comp) for t in tensors]
+                    return [hvd.allreduce(t, op=horovod_op, compression=comp, name=f"hvdp.gradients.{i}")
+                            for i, t in enumerate(tensors)]
                 return list(hvd.grouped_allreduce(
-                    tensors, op=horovod_op, compression=comp,
-                    prescale_factor=prescale, postscale_factor=postscale,
+                    tensors, op=horovod_op, compression=comp, name="hvdp.gradients",
+                    prescale_factor=prescale, postscale_factor=postscale, process_set=horovod_set,
                 ))
 
             return hvdp_keras.wrap_optimizer(optimizer, reduce, backward_passes_per_step)
@@ -159,11 +192,12 @@ class Backend:
             f"{type(optimizer).__name__}."
         )
 
-    def broadcast_state(self, model: Any, optimizer: Any, root_rank: int) -> None:
+    def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
+        horovod_set = _set(process_set)
         if hvdp_keras.is_keras_model(model):
             hvdp_keras.broadcast_state(
                 model, optimizer, root_rank,
-                lambda value, root, name: hvd.broadcast(value.detach(), root, name=name),
+                lambda value, root, name: hvd.broadcast(value.detach(), root, name=name, process_set=horovod_set),
             )
             return
         if not isinstance(model, torch.nn.Module):
@@ -171,35 +205,55 @@ class Backend:
                 f"broadcast_state on torch takes a torch.nn.Module or a Keras 3 model, "
                 f"got {type(model).__name__}."
             )
-        hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer for a torch module, got "
+                f"{type(optimizer).__name__}."
+            )
+        if process_set is None:
+            hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+            if optimizer is not None:
+                hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+            return
+        # Horovod 0.28.1's broadcast_parameters/broadcast_optimizer_state take no process set.
+        handles = [hvd.broadcast_async_(tensor, root_rank, name=f"hvdp.state.{name}", process_set=horovod_set)
+                   for name, tensor in sorted(model.state_dict().items())]
+        for handle in handles:
+            hvd.synchronize(handle)
         if optimizer is not None:
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(
-                    f"optimizer must be a torch.optim.Optimizer for a torch module, got "
-                    f"{type(optimizer).__name__}."
-                )
-            hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
+            is_root = self.rank() == root_rank
+            state = hvd.broadcast_object(_cpu(optimizer.state_dict()) if is_root else None, root_rank,
+                                         name="hvdp.optimizer_state", process_set=horovod_set)
+            if not is_root:
+                optimizer.load_state_dict(state)
 
-    def allreduce(self, value: Any, op: str, name: Optional[str]) -> Any:
+    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = _as_tensor(value, "allreduce")
-        return _same_kind(hvd.allreduce(tensor, op=_OPS[op], name=name), as_numpy)
+        return _same_kind(hvd.allreduce(tensor, op=_OPS[op], name=name, process_set=_set(process_set)), as_numpy)
 
-    def allgather(self, value: Any, name: Optional[str]) -> Any:
+    def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = _as_tensor(value, "allgather")
-        return _same_kind(hvd.allgather(tensor, name=name), as_numpy)
+        return _same_kind(hvd.allgather(tensor, name=name, process_set=_set(process_set)), as_numpy)
 
-    def broadcast(self, value: Any, root_rank: int, name: Optional[str]) -> Any:
+    def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = _as_tensor(value, "broadcast")
-        return _same_kind(hvd.broadcast(tensor, root_rank, name=name), as_numpy)
+        return _same_kind(hvd.broadcast(tensor, root_rank, name=name, process_set=_set(process_set)), as_numpy)
 
-    def broadcast_object(self, obj: Any, root_rank: int) -> Any:
-        return hvd.broadcast_object(obj, root_rank=root_rank)
+    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any) -> Any:
+        return hvd.broadcast_object(obj, root_rank=root_rank, process_set=_set(process_set))
 
-    def allgather_object(self, obj: Any) -> List[Any]:
-        return list(hvd.allgather_object(obj))
+    def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
+        # Horovod 0.28.1's torch allgather_object takes no process set: the same steps, with one.
+        horovod_set = _set(process_set)
+        data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
+        sizes = hvd.allgather(torch.tensor([data.numel()]), name="hvdp.allgather_object.sizes",
+                              process_set=horovod_set).tolist()
+        gathered = hvd.allgather(data, name="hvdp.allgather_object.data", process_set=horovod_set).numpy().tobytes()
+        ends = list(itertools.accumulate(sizes))
+        return [cloudpickle.loads(gathered[end - size:end]) for size, end in zip(sizes, ends)]
 
-    def barrier(self) -> None:
-        hvd.barrier()
+    def barrier(self, process_set: Any) -> None:
+        hvd.barrier(process_set=_set(process_set))
 
     def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
         if hvdp_keras.is_keras_model(model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -40,6 +41,35 @@ def run_job(args: List[str], out_dir: Path, np_: int = 2, timeout: int = TIMEOUT
         path = out_dir / f"rank{rank}.json"
         if path.exists():
             ranks.append(json.loads(path.read_text()))
+    return Job(proc.returncode, output, ranks)
+
+
+#: Plain `mpirun`, as HPC users start MPI programs: as root, and 4 processes on 2 cores.
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
+#: One thread per process: mpirun does not set them as `hvdp run` does.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+
+
+def run_mpirun(args: List[str], out_dir: Path, np_: int = 4, timeout: int = 300) -> Job:
+    """`mpirun -np N python ARGS...` with HVDP_TEST_OUT=out_dir; the whole job is killed if it hangs."""
+    env = {**os.environ, **ONE_THREAD, "HVDP_TEST_OUT": str(out_dir), "PYTHONUNBUFFERED": "1",
+           "TF_CPP_MIN_LOG_LEVEL": "2"}
+    for var in ("HVDP_FRAMEWORK", "KERAS_BACKEND"):
+        env.pop(var, None)
+    proc = subprocess.Popen([*MPIRUN, "-np", str(np_), sys.executable, *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # mpirun ends its ranks on SIGTERM
+        try:
+            output, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        raise AssertionError(f"mpirun {' '.join(args)} hung for {timeout} s:\n{output[-4000:]}") from None
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(np_)
+             if (out_dir / f"rank{r}.json").exists()]
     return Job(proc.returncode, output, ranks)
 
 

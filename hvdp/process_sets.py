@@ -1,0 +1,409 @@
+"""Training on part of a job: MPI communicators and process sets, framework-neutral.
+
+Two ways to run hvdp on fewer processes than the job has:
+
+* ``hvdp.init(comm=...)`` with an mpi4py communicator (or a list of MPI ranks):
+  hvdp runs on exactly those processes; the others never call ``hvdp.init``
+  and are free to do other MPI work.
+* :class:`ProcessSet`: groups of hvdp ranks that each train their own model,
+  side by side in one job (ensembles, hyper-parameter sweeps). Pass the set as
+  ``process_set=`` to ``DistributedOptimizer``, ``broadcast_state``, the
+  collectives, ``check_consistency`` and ``shard``.
+
+Inside a process set, ranks are numbered ``0 .. size()-1`` in increasing order
+of their hvdp ranks (as Horovod does), and ``root_rank=`` counts in that numbering.
+This module knows no framework: the backends create Horovod's process sets.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import sys
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from hvdp import _framework
+from hvdp.errors import ProcessSetError
+
+#: What ``hvdp.init(process_sets=...)`` takes besides a list: sets added later with ``add_process_set``.
+DYNAMIC = "dynamic"
+#: Environment variables that tell an MPI process its rank and the size of MPI_COMM_WORLD.
+_MPI_WORLD_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+
+_dynamic = False
+
+
+class ProcessSet:
+    """A group of hvdp ranks that trains one model (or runs collectives) together.
+
+    Create the same sets, in the same order, on every rank, and register them
+    with ``hvdp.init(process_sets=[...])`` (or with :func:`hvdp.add_process_set`
+    after ``hvdp.init(process_sets="dynamic")``). Sets may overlap; a rank only
+    calls the collectives of the sets it is in.
+
+    Args:
+        ranks: the hvdp ranks in the set (distinct, ``>= 0``; any order).
+
+    Example:
+        >>> sets = [ProcessSet([0, 1]), ProcessSet([2, 3])]
+        >>> sets[1]
+        hvdp.ProcessSet([2, 3])
+        >>> hvdp.init(process_sets=sets)                 # doctest: +SKIP
+        >>> mine = hvdp.my_process_set(sets)              # doctest: +SKIP
+        >>> opt = hvdp.DistributedOptimizer(opt, model, process_set=mine)  # doctest: +SKIP
+    """
+
+    def __init__(self, ranks: Iterable[int]) -> None:
+        self.ranks: Tuple[int, ...] = _check_ranks(ranks, "hvdp.ProcessSet(ranks)")
+        self._handle: Any = None
+        self._generation = -1
+
+    def __repr__(self) -> str:
+        return f"hvdp.ProcessSet({list(self.ranks)})"
+
+    def size(self) -> int:
+        """The number of ranks in the set."""
+        return len(self.ranks)
+
+    def included(self) -> bool:
+        """True when this process is in the set (needs ``hvdp.init()``).
+
+        Example:
+            >>> if ps.included():           # doctest: +SKIP
+            ...     hvdp.barrier(process_set=ps)
+        """
+        return _framework.current("ProcessSet.included").rank() in self.ranks
+
+    def rank(self) -> int:
+        """This process's rank inside the set, ``0 <= rank() < size()``.
+
+        Raises:
+            ProcessSetError: this process is not in the set.
+        """
+        rank = _framework.current("ProcessSet.rank").rank()
+        if rank not in self.ranks:
+            raise ProcessSetError(
+                f"{self!r}.rank() was called on rank {rank}, which is not in the set. "
+                "Check ps.included() first, or use hvdp.my_process_set(sets)."
+            )
+        return self.ranks.index(rank)
+
+
+def _check_ranks(ranks: object, what: str) -> Tuple[int, ...]:
+    """``ranks`` as a sorted tuple of distinct ints >= 0, or a TypeError/ProcessSetError saying why not."""
+    if _is_communicator(ranks):
+        raise TypeError(
+            f"{what} takes hvdp rank numbers, got an mpi4py communicator. Pass the hvdp ranks of its "
+            "members, the same list on every rank (e.g. hvdp.ProcessSet([0, 1])); to run hvdp on "
+            "a communicator's processes only, use hvdp.init(comm=communicator)."
+        )
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+        raise TypeError(f"{what} takes a list of rank numbers such as [0, 1], got {ranks!r}.")
+    values = list(ranks)
+    bad = [r for r in values if isinstance(r, bool) or not isinstance(r, numbers.Integral) or int(r) < 0]
+    if bad:
+        raise TypeError(f"{what}: ranks must be integers >= 0, got {bad!r} in {values!r}.")
+    if not values:
+        raise ProcessSetError(f"{what}: the list of ranks is empty; give at least one rank, e.g. [0, 1].")
+    as_ints = [int(r) for r in values]
+    repeated = sorted({r for r in as_ints if as_ints.count(r) > 1})
+    if repeated:
+        raise ProcessSetError(f"{what}: rank(s) {repeated} appear more than once in {as_ints}; list each rank once.")
+    return tuple(sorted(as_ints))
+
+
+def _is_communicator(obj: object) -> bool:
+    """True for an mpi4py communicator (mpi4py is never imported here: such an object means it is)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(obj, mpi.Comm)
+
+
+def _mpi_world(environ: Mapping[str, str]) -> Optional[Tuple[int, int]]:
+    """(rank, size) of this process in MPI_COMM_WORLD, from mpi4py if it is in use, else from mpirun's variables."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
+    for rank_var, size_var in _MPI_WORLD_VARS:
+        if environ.get(rank_var, "").isdigit() and environ.get(size_var, "").isdigit():
+            return int(environ[rank_var]), int(environ[size_var])
+    return None
+
+
+def _refuse_gloo(comm: object, environ: Mapping[str, str]) -> None:
+    if environ.get("HOROVOD_CONTROLLER", "").lower() == "gloo" or environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"):
+        raise ProcessSetError(
+            f"hvdp.init(comm={comm!r}) needs Horovod's MPI controller, but this job was started with Gloo "
+            "(hvdp run / horovodrun --gloo). Launch it with hvdp run --mpi or mpirun, or drop comm=."
+        )
+
+
+def check_comm(comm: object, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """Validate ``hvdp.init(comm=...)``: None, an mpi4py intracommunicator, or a list of MPI ranks.
+
+    A rank list names ranks of MPI_COMM_WORLD (hvdp rank i is the i-th listed);
+    every listed process, and only those, calls ``hvdp.init(comm=...)``.
+
+    Returns:
+        ``comm`` as Horovod takes it (a rank list becomes a list of ints).
+
+    Example:
+        >>> check_comm(None) is None
+        True
+    """
+    if comm is None:
+        return None
+    env = os.environ if environ is None else environ
+    if _is_communicator(comm):
+        mpi = sys.modules["mpi4py.MPI"]
+        if not isinstance(comm, mpi.Intracomm):
+            raise TypeError(
+                f"hvdp.init(comm=...) takes an intracommunicator (such as MPI.COMM_WORLD.Split(color)), "
+                f"got a {type(comm).__name__}. Use one side's local communicator."
+            )
+        if comm == mpi.COMM_NULL:
+            raise ProcessSetError(
+                "hvdp.init(comm=MPI.COMM_NULL): this process is not in the communicator (Split with "
+                "color MPI.UNDEFINED gives COMM_NULL). Only the processes in it call hvdp.init(comm=...); "
+                "the others skip hvdp (they may do other MPI work)."
+            )
+        _refuse_gloo("<mpi4py communicator>", env)
+        return comm
+    if isinstance(comm, (str, bytes)) or not isinstance(comm, Iterable):
+        raise TypeError(
+            f"hvdp.init(comm=...) takes an mpi4py communicator (e.g. MPI.COMM_WORLD.Split(color)) or a list of "
+            f"MPI ranks, got {type(comm).__module__}.{type(comm).__qualname__}: {comm!r}. If this is a "
+            "communicator of another MPI binding, use mpi4py's (pip install mpi4py==4.1.2)."
+        )
+    listed = list(comm)
+    ranks = _check_ranks(listed, f"hvdp.init(comm={listed!r})")
+    _refuse_gloo(listed, env)
+    world = _mpi_world(env)
+    if world is None:
+        raise ProcessSetError(
+            f"hvdp.init(comm={listed!r}) names MPI ranks, but this process was not started by an MPI launcher "
+            "(no OMPI_COMM_WORLD_RANK or PMI_RANK, and mpi4py is not in use). Launch with mpirun or "
+            "hvdp run --mpi, or drop comm=."
+        )
+    world_rank, world_size = world
+    outside = [r for r in ranks if r >= world_size]
+    if outside:
+        raise ProcessSetError(
+            f"hvdp.init(comm={listed!r}): rank(s) {outside} are not in this MPI job of {world_size} processes "
+            f"(ranks 0..{world_size - 1}). List a subset of 0..{world_size - 1}."
+        )
+    if world_rank not in ranks:
+        raise ProcessSetError(
+            f"hvdp.init(comm={listed!r}) was called on MPI rank {world_rank}, which is not in the list. Only "
+            "the listed processes call hvdp.init(comm=...); the others skip hvdp (they may do other MPI work)."
+        )
+    return [int(r) for r in listed]
+
+
+def _world_size_hint(comm: Any, environ: Mapping[str, str]) -> Optional[int]:
+    """The number of hvdp ranks the job will have, when it can be told before Horovod starts."""
+    if isinstance(comm, list):
+        return len(comm)
+    if comm is not None:
+        return int(comm.Get_size())
+    for var in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if environ.get(var, "").isdigit():
+            return int(environ[var])
+    return None
+
+
+def check_process_sets(
+    process_sets: Union[Sequence[ProcessSet], str, None],
+    comm: Any,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Tuple[List[ProcessSet], bool]:
+    """Validate ``hvdp.init(process_sets=...)``: (the sets, whether sets may be added later).
+
+    Example:
+        >>> check_process_sets("dynamic", None)
+        ([], True)
+    """
+    if process_sets is None:
+        return [], False
+    if isinstance(process_sets, str):
+        if process_sets != DYNAMIC:
+            raise ValueError(
+                f"process_sets={process_sets!r}; expected a list of hvdp.ProcessSet or {DYNAMIC!r} "
+                "(to add sets later with hvdp.add_process_set)."
+            )
+        return [], True
+    if isinstance(process_sets, ProcessSet) or not isinstance(process_sets, Sequence):
+        raise TypeError(
+            f"process_sets must be a list of hvdp.ProcessSet, got {process_sets!r}. "
+            "Example: hvdp.init(process_sets=[hvdp.ProcessSet([0, 1]), hvdp.ProcessSet([2, 3])])."
+        )
+    sets: List[ProcessSet] = []
+    for ps in process_sets:
+        if not isinstance(ps, ProcessSet):
+            raise TypeError(
+                f"process_sets must hold hvdp.ProcessSet objects, got {ps!r}: wrap the ranks, "
+                f"hvdp.ProcessSet({ps!r}), and keep the object to pass as process_set=."
+            )
+        sets.append(ps)
+    seen: Dict[Tuple[int, ...], ProcessSet] = {}
+    for ps in sets:
+        if ps.ranks in seen:
+            raise ProcessSetError(
+                f"process_sets lists the ranks {list(ps.ranks)} twice ({seen[ps.ranks]!r} and {ps!r}); "
+                "each set must be different. Create it once and pass that object everywhere."
+            )
+        seen[ps.ranks] = ps
+    world = _world_size_hint(comm, os.environ if environ is None else environ)
+    if world is not None:
+        for ps in sets:
+            _check_in_world(ps, world, "hvdp.init(process_sets=...)")
+    return sets, _env_dynamic(environ)
+
+
+def _env_dynamic(environ: Optional[Mapping[str, str]]) -> bool:
+    env = os.environ if environ is None else environ
+    return env.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").lower() in ("1", "true", "yes", "on")
+
+
+def _check_in_world(ps: ProcessSet, world: int, caller: str) -> None:
+    outside = [r for r in ps.ranks if r >= world]
+    if outside:
+        raise ProcessSetError(
+            f"{caller}: {ps!r} names rank(s) {outside}, but the job has {world} processes "
+            f"(ranks 0..{world - 1}). A process set is a subset of the job's ranks."
+        )
+
+
+def _is_whole_job(ps: ProcessSet, world: Optional[int]) -> bool:
+    return world is not None and ps.ranks == tuple(range(world))
+
+
+def start(
+    framework: Optional[str],
+    comm: Any,
+    process_sets: List[ProcessSet],
+    dynamic: bool,
+) -> None:
+    """Initialize the backend on ``comm`` and register ``process_sets`` (all validated).
+
+    A set holding every rank of the job is the job itself: it is bound to the
+    global set rather than registered (Horovod refuses it as a duplicate).
+    """
+    global _dynamic
+    world = _world_size_hint(comm, os.environ)
+    native = [ps for ps in process_sets if not _is_whole_job(ps, world)]
+    handles = _framework.activate(framework, comm, [list(ps.ranks) for ps in native], dynamic)
+    if handles is None:  # already running, and nothing new was asked for
+        return
+    _dynamic = dynamic or _env_dynamic(None)
+    generation = _framework.generation()
+    for ps in process_sets:
+        ps._handle, ps._generation = None, generation
+    for ps, handle in zip(native, handles):
+        ps._handle = handle
+
+
+def add(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
+    """Register a process set while the job runs (all ranks call it, in the same order)."""
+    backend = _framework.current("add_process_set")
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps._generation == _framework.generation():
+        raise ProcessSetError(f"hvdp.add_process_set({ps!r}): the set is already registered; use it as it is.")
+    _check_in_world(ps, backend.size(), "hvdp.add_process_set")
+    if not _dynamic:
+        raise ProcessSetError(
+            f"hvdp.add_process_set({ps!r}) needs sets to be addable while the job runs: initialize with "
+            "hvdp.init(process_sets='dynamic'), or register the sets at start with "
+            "hvdp.init(process_sets=[...])."
+        )
+    handle = None
+    if not _is_whole_job(ps, backend.size()):
+        handle = backend.add_process_set(list(ps.ranks))
+        if handle is None:
+            raise ProcessSetError(
+                f"hvdp.add_process_set({ps!r}): a set with these ranks is already registered; pass that "
+                "set object as process_set= instead of adding the ranks again."
+            )
+    ps._handle, ps._generation = handle, _framework.generation()
+    return ps
+
+
+def handle(process_set: Optional[ProcessSet], caller: str) -> Any:
+    """The backend's handle for ``process_set`` (None: the whole job), after checking this rank may use it."""
+    if process_set is None:
+        return None
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            f"hvdp.{caller}(process_set=...) takes an hvdp.ProcessSet registered with hvdp.init(process_sets="
+            f"[...]) or hvdp.add_process_set, got {process_set!r}. Keep the hvdp.ProcessSet object and pass it."
+        )
+    backend = _framework.current(caller)
+    if process_set._generation != _framework.generation():
+        raise ProcessSetError(
+            f"hvdp.{caller}(process_set={process_set!r}): the set is not registered with the running job. "
+            "Register it: hvdp.init(process_sets=[...]), or hvdp.add_process_set(ps) after "
+            "hvdp.init(process_sets='dynamic'). After hvdp.shutdown(), sets must be registered again."
+        )
+    rank = backend.rank()
+    if rank not in process_set.ranks:
+        raise ProcessSetError(
+            f"hvdp.{caller}(process_set={process_set!r}) was called on rank {rank}, which is not in the set. "
+            "Only the set's members call its collectives: guard with ps.included(), or take this rank's set "
+            "with hvdp.my_process_set(sets)."
+        )
+    return process_set._handle
+
+
+def collective_name(kind: str, name: Optional[str], process_set: Optional[ProcessSet]) -> str:
+    """``name``, or for an unnamed collective one counted per process set.
+
+    Horovod names unnamed torch collectives by a per-process counter, which
+    differs between ranks as soon as they run collectives in different sets;
+    counting per set gives every member the same name for the same call.
+
+    Example:
+        >>> collective_name("allreduce", "loss", None)
+        'loss'
+    """
+    if name is not None:
+        return name
+    key = (_framework.generation(), None if process_set is None else process_set.ranks)
+    count = _unnamed.get(key, 0)
+    _unnamed[key] = count + 1
+    where = "" if process_set is None else "[" + ",".join(map(str, process_set.ranks)) + "]"
+    return f"hvdp.{kind}{where}.{count}"
+
+
+_unnamed: Dict[Tuple[int, Optional[Tuple[int, ...]]], int] = {}
+
+
+def members(process_set: Optional[ProcessSet], caller: str) -> List[int]:
+    """The hvdp ranks taking part in a call on ``process_set`` (all ranks for None)."""
+    if process_set is None:
+        return list(range(_framework.current(caller).size()))
+    return list(process_set.ranks)
+
+
+def mine(process_sets: Sequence[ProcessSet]) -> ProcessSet:
+    """The one set among ``process_sets`` that holds this rank.
+
+    Raises:
+        ProcessSetError: this rank is in none of them, or in several (overlapping sets).
+    """
+    if isinstance(process_sets, ProcessSet) or not isinstance(process_sets, Sequence) \
+            or not all(isinstance(ps, ProcessSet) for ps in process_sets):
+        raise TypeError(f"hvdp.my_process_set takes a list of hvdp.ProcessSet, got {process_sets!r}.")
+    rank = _framework.current("my_process_set").rank()
+    found = [ps for ps in process_sets if rank in ps.ranks]
+    if not found:
+        raise ProcessSetError(
+            f"Rank {rank} is in none of the process sets {list(process_sets)!r}. Every rank needs a set: "
+            "add this rank to one, or skip training on it (if any(ps.included() for ps in sets))."
+        )
+    if len(found) > 1:
+        raise ProcessSetError(
+            f"Rank {rank} is in {len(found)} of the process sets ({', '.join(map(repr, found))}): they overlap, "
+            "so hvdp.my_process_set cannot tell which one this rank trains in. Give it sets that split the "
+            "ranks without overlap, e.g. [hvdp.ProcessSet([0, 1]), hvdp.ProcessSet([2, 3])], or pass the "
+            "set you mean as process_set= yourself."
+        )
+    return found[0]

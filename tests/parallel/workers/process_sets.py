@@ -1,0 +1,82 @@
+"""Process sets on 4 ranks: `python process_sets.py FRAMEWORK static|dynamic` under mpirun or hvdp run.
+
+Sets A = [0, 1] and B = [2, 3] each train their own model at the same time; C = [1, 2]
+overlaps both and ALL = [0, 1, 2, 3] is the whole job. ``static`` registers the sets
+in hvdp.init(process_sets=...), ``dynamic`` adds them after hvdp.init(process_sets="dynamic").
+Every rank reports the collectives it ran in its sets and how misuse is refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import numpy as np
+
+import hvdp
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import _report
+import _train
+
+
+def refusal(call: Callable[[], object]) -> str:
+    """The error ``call`` raises, as 'Type: message' for the test to read."""
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def main() -> None:
+    framework, mode = sys.argv[1], sys.argv[2]
+    if mode == "static":
+        a, b, c, everyone = (hvdp.ProcessSet(r) for r in ([0, 1], [3, 2], [1, 2], range(4)))
+        hvdp.init(framework, process_sets=[a, b, c, everyone])
+    else:
+        hvdp.init(framework, process_sets="dynamic")
+        a, b = hvdp.add_process_set([0, 1]), hvdp.add_process_set(hvdp.ProcessSet([3, 2]))
+        c, everyone = hvdp.add_process_set([1, 2]), hvdp.add_process_set(range(4))
+    rank = hvdp.rank()
+    mine = hvdp.my_process_set([a, b])
+    other = b if mine is a else a
+    record = {
+        "rank": rank, "size": hvdp.size(), "mode": mode, "set": list(mine.ranks),
+        "set_rank": mine.rank(), "set_size": mine.size(), "in_c": c.included(),
+        "allreduce_sum": hvdp.allreduce(rank + 1, op="sum", process_set=mine),
+        "allreduce_average": hvdp.allreduce(np.full(2, float(rank)), process_set=mine).tolist(),
+        "allgather": hvdp.allgather(rank, process_set=mine),
+        "broadcast_from_set_rank_1": hvdp.broadcast(rank * 10, root_rank=1, process_set=mine),
+        "broadcast_object": hvdp.broadcast_object({"from": rank}, process_set=mine),
+        "allgather_object": hvdp.allgather_object(f"r{rank}", process_set=mine),
+        "shard": hvdp.shard(10, shuffle=False, process_set=mine).tolist(),
+        "whole_job_sum": hvdp.allreduce(rank + 1, op="sum", process_set=everyone),
+    }
+    hvdp.barrier(process_set=mine)
+    if c.included():  # the overlapping set, used by its members only
+        record["c_sum"] = hvdp.allreduce(rank, op="sum", process_set=c)
+    # A and B train a model each, at the same time, from different starting weights and data.
+    record.update(_train.train(framework, mine))
+    record.update(_train.fit_keras(mine))  # Keras 3 model.fit (on this framework) with hvdp's callbacks
+    record["errors"] = {
+        "foreign_set": refusal(lambda: hvdp.allreduce(1.0, process_set=other)),
+        "overlapping_sets": refusal(lambda: hvdp.my_process_set([a, b, c])),
+        "unregistered_set": refusal(lambda: hvdp.allreduce(1.0, process_set=hvdp.ProcessSet([0, 2]))),
+        "ranks_not_a_set": refusal(lambda: hvdp.barrier(process_set=[0, 1])),
+        "root_outside_set": refusal(lambda: hvdp.broadcast(1.0, root_rank=2, process_set=mine)),
+        "set_rank_of_non_member": refusal(lambda: other.rank()),
+        "rank_outside_job": refusal(lambda: hvdp.add_process_set([0, 4])),
+        "add_twice": refusal(lambda: hvdp.add_process_set(mine)),
+    }
+    if mode == "static":
+        record["errors"]["add_without_dynamic"] = refusal(lambda: hvdp.add_process_set([0, 3]))
+    else:
+        record["errors"]["add_existing_ranks"] = refusal(lambda: hvdp.add_process_set([1, 0]))
+    record["after_errors"] = hvdp.allreduce(1, op="sum")  # the job still works
+    _report.write(rank, record)
+    hvdp.shutdown()
+
+
+if __name__ == "__main__":
+    main()
