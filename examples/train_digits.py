@@ -5,6 +5,8 @@ The framework is chosen only by the launcher:
     hvdp run -np 2 --framework torch examples/train_digits.py
     hvdp run -np 2 --framework tensorflow examples/train_digits.py
 
+Add ``--profile DIR`` to record each rank's steps, then ``hvdp report DIR``.
+
 Data: scikit-learn's bundled 8x8 digits (1797 images, no download). Each rank
 trains on its own shard of every epoch (hvdp.shard), gradients are averaged by
 hvdp.DistributedOptimizer, the learning rate is scaled by the number of
@@ -54,10 +56,11 @@ def torch_trainer(lr: float, seed: int) -> Tuple[Callable, Callable]:
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def train_step(x: np.ndarray, y: np.ndarray) -> float:
-        optimizer.zero_grad()
-        loss = loss_fn(model(torch.from_numpy(x).to(device)), torch.from_numpy(y).to(device))
-        loss.backward()
-        optimizer.step()
+        with hvdp.profiler.phase("compute"):
+            optimizer.zero_grad()
+            loss = loss_fn(model(torch.from_numpy(x).to(device)), torch.from_numpy(y).to(device))
+            loss.backward()
+        optimizer.step()  # waits for the gradient allreduce: phase "sync" when profiling
         return loss.item()
 
     def predict(x: np.ndarray) -> np.ndarray:
@@ -84,6 +87,7 @@ def tensorflow_trainer(lr: float, seed: int) -> Tuple[Callable, Callable]:
     hvdp.broadcast_state(model, optimizer)
 
     def train_step(x: np.ndarray, y: np.ndarray) -> float:
+        # One call computes and applies the step; hvdp records its gradient sync as phase "sync".
         return float(model.train_on_batch(x, y))
 
     def predict(x: np.ndarray) -> np.ndarray:
@@ -121,8 +125,11 @@ def main() -> None:
         shard = hvdp.shard(len(x_train), seed=args.seed, epoch=epoch)
         losses = []
         for begin in range(0, len(shard), args.batch_size):
-            batch = shard[begin:begin + args.batch_size]
-            losses.append(train_step(x_train[batch], y_train[batch]))
+            with hvdp.profiler.phase("data"):
+                batch = shard[begin:begin + args.batch_size]
+                x_batch, y_batch = x_train[batch], y_train[batch]
+            losses.append(train_step(x_batch, y_batch))
+            hvdp.profiler.step(examples=len(batch))  # records only under hvdp run --profile DIR
             bar.update()
         loss = hvdp.allreduce(float(np.mean(losses)), name="epoch_loss")
         if rank == 0:

@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from hvdp import _framework
+from hvdp import _framework, profiler
 from hvdp import process_sets as _process_sets
 from hvdp.backends.base import COMPRESSIONS, REDUCE_OPS
 from hvdp.data import shard_indices
@@ -69,6 +69,7 @@ __all__ = [
     "local_size",
     "my_process_set",
     "rank",
+    "profiler",
     "shard",
     "shutdown",
     "size",

@@ -18,12 +18,13 @@ one JSON line per step to ``DIR/rank<N>.jsonl``; ``hvdp report DIR`` reads them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Callable, Dict, Iterator, List, Optional
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
 #: ``hvdp run --profile DIR`` sets this for every process.
 ENV_VAR = "HVDP_PROFILE_DIR"
@@ -36,6 +37,10 @@ _phases: Dict[str, float] = {}
 _step = 0
 _step_start: Optional[float] = None
 _sources: List[Callable[[], float]] = []
+T = TypeVar("T")
+#: Records reach the file at least this often (and when the process exits).
+FLUSH_SECONDS = 1.0
+_last_flush = 0.0
 
 
 def enable(directory: Optional[str] = None) -> None:
@@ -93,6 +98,26 @@ def record(name: str, seconds: float) -> None:
         _phases[name] = _phases.get(name, 0.0) + seconds
 
 
+def timed(function: Callable[..., T], name: str = "sync") -> Callable[..., T]:
+    """``function``, with the time each call takes recorded as phase ``name`` when profiling is on.
+
+    Example:
+        >>> optimizer.synchronize = hvdp.profiler.timed(optimizer.synchronize)  # doctest: +SKIP
+    """
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        if not is_enabled():
+            return function(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            record(name, time.perf_counter() - start)
+
+    return wrapper
+
+
 def add_source(read_and_reset: Callable[[], float]) -> None:
     """Register a sync timer that is read (and reset) at each step, e.g. one kept inside a tf.function."""
     _sources.append(read_and_reset)
@@ -119,7 +144,10 @@ def step(examples: Optional[int] = None) -> None:
     line = {"step": _step, "time": time.time(), "seconds": now - (_step_start or now),
             "phases": {name: round(value, 9) for name, value in _phases.items()}, "examples": examples}
     _file.write(json.dumps(line) + "\n")
-    _file.flush()
+    global _last_flush
+    if now - _last_flush > FLUSH_SECONDS:  # flushing every step would cost more than the records
+        _file.flush()
+        _last_flush = now
     _step += 1
     _phases.clear()
     _step_start = now
@@ -132,8 +160,12 @@ def _start_step_clock() -> None:
 
 
 def _open_rank_file(directory: Path) -> IO[str]:
+    import atexit
+
     import hvdp
 
     directory.mkdir(parents=True, exist_ok=True)
     rank = hvdp.rank() if hvdp.is_initialized() else int(os.environ.get("HOROVOD_RANK", "0"))
-    return (directory / f"rank{rank}.jsonl").open("a")
+    handle = (directory / f"rank{rank}.jsonl").open("a")
+    atexit.register(handle.close)
+    return handle

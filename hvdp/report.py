@@ -132,7 +132,7 @@ def diagnose(summaries: List[RankSummary]) -> Diagnosis:
         names = ", ".join(f"rank {r}" for r in stragglers)
         explanation = (f"{verdict}: {names} is the straggler: {cause}. " + "; ".join(lines) +
                        f". The other ranks wait {ms(waiting)} per step in gradient sync "
-                       f"({sync_share:.0%} of the {ms(step)} step).")
+                       f"({waiting / step:.0%} of the {ms(step)} step).")
         return Diagnosis(verdict, sorted(stragglers), explanation, numbers)
     if sync_share > SYNC_BOUND_SHARE:
         return Diagnosis("synchronization", [], (
@@ -149,9 +149,15 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
 
 
+def _ordered_phases(summaries: List[RankSummary]) -> List[str]:
+    """data, compute, sync first, then any other phase by name."""
+    known = ("data", "compute", "sync")
+    return sorted({n for s in summaries for n in s.phases}, key=lambda n: (known.index(n) if n in known else 3, n))
+
+
 def render(summaries: List[RankSummary], diagnosis: Diagnosis) -> str:
     """The report as a table and a diagnosis, for people."""
-    names = sorted({n for s in summaries for n in s.phases}, key=lambda n: (n not in ("data", "compute", "sync"), n))
+    names = _ordered_phases(summaries)
     head = f"{'rank':>4} {'steps':>6} {'step':>10} {'ex/s/replica':>13} " + " ".join(f"{n:>10}" for n in names)
     rows = [head]
     for s in summaries:
@@ -173,7 +179,7 @@ def plot(records: Dict[int, List[dict]], summaries: List[RankSummary], path: Pat
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ValueError("hvdp report --plot needs matplotlib: pip install matplotlib") from exc
-    names = sorted({n for s in summaries for n in s.phases}, key=lambda n: (n not in ("data", "compute", "sync"), n))
+    names = _ordered_phases(summaries)
     figure, (bars, lines) = plt.subplots(1, 2, figsize=(11, 4))
     bottoms = [0.0] * len(summaries)
     ranks = [str(s.rank) for s in summaries]

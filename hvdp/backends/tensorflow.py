@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdp import keras as hvdp_keras
+from hvdp import profiler
 from hvdp.backends.base import reduction_plan
 
 _OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
@@ -38,6 +39,51 @@ def _refuse_xla() -> None:
             "Compile the model with model.compile(..., jit_compile=False), or use "
             "tf.function(jit_compile=False) in a custom loop."
         )
+
+
+class _SyncClock:
+    """Seconds spent in gradient reduction, summed inside tf.functions and read by hvdp.profiler.step()."""
+
+    variable: Optional[Any] = None
+
+    @classmethod
+    def get(cls) -> Any:
+        if cls.variable is None:
+            with tf.init_scope():  # created once, outside any tf.function being traced
+                cls.variable = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="hvdp_sync_seconds")
+            profiler.add_source(cls.read_and_reset)
+        return cls.variable
+
+    @classmethod
+    def read_and_reset(cls) -> float:
+        if cls.variable is None:
+            return 0.0
+        seconds = float(cls.variable.numpy())
+        cls.variable.assign(0.0)
+        return seconds
+
+
+def _timed_in_graph(reduce: Any) -> Any:
+    """``reduce`` with its duration added to the sync clock, eagerly and inside tf.function.
+
+    The time is taken with ``tf.timestamp()`` ops ordered around the collective, so
+    it is the wait as executed, not as traced. Traced only while profiling is on.
+    """
+
+    def timed(tensors: List[Any]) -> List[Any]:
+        if not profiler.is_enabled():
+            return list(reduce(tensors))
+        clock = _SyncClock.get()
+        start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            tensors = [tf.identity(t) for t in tensors]
+        reduced = reduce(tensors)
+        with tf.control_dependencies(reduced):
+            update = clock.assign_add(tf.timestamp() - start)
+        with tf.control_dependencies([update]):
+            return [tf.identity(r) for r in reduced]
+
+    return timed
 
 
 class Backend:
@@ -122,7 +168,7 @@ class Backend:
                 prescale_factor=prescale, postscale_factor=postscale, process_set=horovod_set,
             ))
 
-        return reduce
+        return _timed_in_graph(reduce)
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
         horovod_set = _set(process_set)

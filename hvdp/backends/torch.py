@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hvdp import keras as hvdp_keras
+from hvdp import profiler
 from hvdp.backends.base import reduction_plan
 
 _OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
@@ -161,7 +162,7 @@ class Backend:
                         f"let Horovod name them by position."
                     )
                 named = list(model.named_parameters())
-            return hvd.DistributedOptimizer(
+            wrapped = hvd.DistributedOptimizer(
                 optimizer,
                 named_parameters=named,
                 compression=_COMPRESSIONS[compression],
@@ -170,6 +171,9 @@ class Backend:
                 gradient_predivide_factor=gradient_predivide_factor,
                 process_set=horovod_set,
             )
+            # step() waits for the gradient allreduces in synchronize(): that wait is phase "sync".
+            wrapped.synchronize = profiler.timed(wrapped.synchronize)
+            return wrapped
         if hvdp_keras.is_keras_optimizer(optimizer):
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
@@ -185,7 +189,7 @@ class Backend:
                     prescale_factor=prescale, postscale_factor=postscale, process_set=horovod_set,
                 ))
 
-            return hvdp_keras.wrap_optimizer(optimizer, reduce, backward_passes_per_step)
+            return hvdp_keras.wrap_optimizer(optimizer, profiler.timed(reduce), backward_passes_per_step)
         raise TypeError(
             f"hvdp.DistributedOptimizer on torch takes a torch.optim.Optimizer or a Keras 3 "
             f"optimizer (KERAS_BACKEND=torch), got {type(optimizer).__module__}."

@@ -35,6 +35,7 @@ def test_phases_and_steps_are_written_per_rank(tmp_path, monkeypatch):
             time.sleep(0.01)
         profiler.record("sync", 0.005)
         profiler.step(examples=8)
+    profiler.disable()  # closes (and flushes) the file; a process does so at exit
     lines = [json.loads(line) for line in (tmp_path / "prof" / "rank3.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1]
     for line in lines:
