@@ -20,11 +20,13 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import numpy as np
 
 from hvdp import _framework, profiler
+from hvdp import checkpoint as _checkpoint
 from hvdp import process_sets as _process_sets
 from hvdp.backends.base import COMPRESSIONS, REDUCE_OPS
 from hvdp.data import shard_indices
 from hvdp.errors import (
     BuildError,
+    CheckpointError,
     FrameworkError,
     HvdpError,
     LaunchError,
@@ -39,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BuildError",
+    "CheckpointError",
     "DistributedOptimizer",
     "FrameworkError",
     "HvdpError",
@@ -60,6 +63,8 @@ __all__ = [
     "broadcast_object",
     "broadcast_state",
     "check_consistency",
+    "load_checkpoint",
+    "save_checkpoint",
     "cross_rank",
     "cross_size",
     "framework",
@@ -450,6 +455,62 @@ def barrier(*, process_set: Optional[ProcessSet] = None) -> None:
     backend = _framework.current("barrier")
     handle = _process_sets.handle(process_set, "barrier")
     backend.barrier(handle)
+
+
+def save_checkpoint(path: str, model: Any, optimizer: Any = None, **extras: Any) -> None:
+    """Save the model, optimizer state and ``extras`` (epoch, step, ...) to ``path``; every rank calls it.
+
+    Rank 0 writes: to a temporary file in the same folder, fsync'ed, then renamed over
+    ``path``, so a crash during the save leaves the previous checkpoint intact. The
+    other ranks wait until the file is complete, and every rank raises if the save failed.
+
+    Example:
+        >>> hvdp.save_checkpoint("ckpt/last.npz", model, optimizer, epoch=epoch, step=step)  # doctest: +SKIP
+    """
+    backend = _framework.current("save_checkpoint")
+    failure = None
+    if backend.rank() == 0:
+        try:
+            arrays, optimizer_state = backend.export_state(model, optimizer)
+            _checkpoint.write(path, backend.name, arrays, optimizer_state, extras)
+        except Exception as exc:  # every rank must learn of it, or the others would wait forever
+            failure = f"{type(exc).__name__}: {exc}"
+    failure = backend.broadcast_object(failure, 0, None)
+    if failure:
+        raise CheckpointError(f"saving checkpoint {path} failed on rank 0: {failure}")
+
+
+def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> dict:
+    """Load ``path`` into ``model`` (and ``optimizer``) on every rank; return the saved extras.
+
+    Rank 0 reads and checks the file (format, framework, parameter names and shapes)
+    and broadcasts the state, so every replica resumes identical. A missing, corrupt,
+    truncated, other-framework or other-architecture checkpoint raises CheckpointError
+    naming the file and the problem, on every rank.
+
+    Example:
+        >>> extras = hvdp.load_checkpoint("ckpt/last.npz", model, optimizer)  # doctest: +SKIP
+        >>> start_epoch = extras["epoch"] + 1
+    """
+    backend = _framework.current("load_checkpoint")
+    outcome: tuple = ("error", "rank 0 did not answer")
+    if backend.rank() == 0:
+        try:
+            arrays, optimizer_state, extras = _checkpoint.read(path, backend.name)
+            expected, _ = backend.export_state(model, None)
+            _checkpoint.check_architecture(path, [(n, tuple(a.shape)) for n, a in expected.items()], arrays)
+            backend.import_state(model, optimizer, arrays, optimizer_state)
+            outcome = ("ok", extras)
+        except CheckpointError as exc:
+            outcome = ("error", str(exc))
+        except Exception as exc:  # every rank must learn of it, or the others would wait forever
+            outcome = ("error", f"loading checkpoint {path} failed on rank 0: {type(exc).__name__}: {exc}")
+    status, payload = backend.broadcast_object(outcome, 0, None)
+    if status != "ok":
+        raise CheckpointError(payload)
+    backend.broadcast_state(model, optimizer, 0, None)
+    loaded: dict = payload
+    return loaded
 
 
 def check_consistency(model: Any, *, process_set: Optional[ProcessSet] = None) -> None:

@@ -11,7 +11,7 @@ framework at import time.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 ReduceFn = Callable[[List[Any]], List[Any]]
 BroadcastFn = Callable[[Any, int, str], Any]
@@ -130,6 +130,35 @@ def broadcast_state(model: Any, optimizer: Any, root_rank: int, broadcast: Broad
 def named_parameters(model: Any, to_numpy: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
     """(path, array) for each trainable variable of a Keras model."""
     return [(variable.path, to_numpy(variable.value)) for variable in model.trainable_variables]
+
+
+def export_state(model: Any, optimizer: Any, to_numpy: Callable[[Any], Any]) -> Tuple[Dict[str, Any], Any]:
+    """A Keras model's variables (keyed by position: layer names differ between processes), and the
+    optimizer's variables as a list."""
+    arrays = {f"variable {i}": to_numpy(v.value) for i, v in enumerate(model.variables)}
+    if optimizer is None:
+        return arrays, None
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    return arrays, [to_numpy(v.value) for v in optimizer.variables]
+
+
+def import_state(model: Any, optimizer: Any, arrays: Dict[str, Any], optimizer_state: Any) -> None:
+    """Assign what :func:`export_state` returned."""
+    for i, variable in enumerate(model.variables):
+        variable.assign(arrays[f"variable {i}"])
+    if optimizer is None or optimizer_state is None:
+        return
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    if len(optimizer_state) != len(optimizer.variables):
+        from hvdp.errors import CheckpointError
+
+        raise CheckpointError(f"the checkpoint holds {len(optimizer_state)} optimizer variables but this "
+                              f"{type(optimizer).__name__} has {len(optimizer.variables)}: load it with the "
+                              "optimizer class that saved it.")
+    for variable, value in zip(optimizer.variables, optimizer_state):
+        variable.assign(value)
 
 
 _CALLBACKS = ("BroadcastInitialState", "MetricAverage", "LearningRateWarmup")

@@ -15,7 +15,7 @@ backend is the only place that touches the framework and ``horovod.<framework>``
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
@@ -120,3 +120,9 @@ class Backend(Protocol):
 
     def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
         """(name, NumPy array) for each trainable parameter of ``model``."""
+
+    def export_state(self, model: Any, optimizer: Any) -> Tuple[Dict[str, np.ndarray], Any]:
+        """All of ``model``'s state as named arrays, and ``optimizer``'s as a tree of arrays (or None)."""
+
+    def import_state(self, model: Any, optimizer: Any, arrays: Dict[str, np.ndarray], optimizer_state: Any) -> None:
+        """Load what :meth:`export_state` returned into ``model`` (and ``optimizer``) on this rank."""

@@ -8,7 +8,7 @@ work both eagerly and inside ``tf.function`` (``model.fit``).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -217,6 +217,14 @@ class Backend:
         if isinstance(model, (list, tuple)) and all(isinstance(v, tf.Variable) for v in model):
             return [(v.name, v.numpy()) for v in model]
         raise TypeError(f"expected a Keras 3 model or a list of tf.Variable, got {type(model).__name__}.")
+
+    def export_state(self, model: Any, optimizer: Any) -> Tuple[Dict[str, np.ndarray], Any]:
+        if not hvdp_keras.is_keras_model(model):
+            raise TypeError(f"checkpoints on tensorflow take a Keras 3 model, got {type(model).__name__}.")
+        return hvdp_keras.export_state(model, optimizer, lambda value: np.asarray(value))
+
+    def import_state(self, model: Any, optimizer: Any, arrays: Dict[str, np.ndarray], optimizer_state: Any) -> None:
+        hvdp_keras.import_state(model, optimizer, arrays, optimizer_state)
 
     # Framework-specific extras (beside the neutral names).
 

@@ -8,7 +8,7 @@ the torch Keras backend are wrapped by :mod:`hvdp.keras` with torch collectives.
 from __future__ import annotations
 
 import itertools
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import cloudpickle
 import horovod.torch as hvd
@@ -32,6 +32,19 @@ def _as_tensor(value: Any, caller: str) -> Tuple[torch.Tensor, bool]:
     raise TypeError(
         f"{caller} on torch takes a torch.Tensor, a NumPy array or a Python number, got {type(value).__name__}."
     )
+
+
+def _map_tensors(tree: Any, to_numpy: bool) -> Any:
+    """``tree`` with torch tensors turned into NumPy arrays, or back."""
+    if isinstance(tree, dict):
+        return {key: _map_tensors(value, to_numpy) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tensors(value, to_numpy) for value in tree)
+    if to_numpy and isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().numpy()
+    if not to_numpy and isinstance(tree, np.ndarray):
+        return torch.from_numpy(np.array(tree))
+    return tree
 
 
 def _same_kind(result: torch.Tensor, as_numpy: bool) -> Any:
@@ -265,6 +278,22 @@ class Backend:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"expected a torch.nn.Module or a Keras 3 model, got {type(model).__name__}.")
         return [(name, tensor.detach().cpu().numpy()) for name, tensor in model.named_parameters()]
+
+    def export_state(self, model: Any, optimizer: Any) -> Tuple[Dict[str, np.ndarray], Any]:
+        if hvdp_keras.is_keras_model(model):
+            return hvdp_keras.export_state(model, optimizer, lambda value: value.detach().cpu().numpy())
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"expected a torch.nn.Module or a Keras 3 model, got {type(model).__name__}.")
+        arrays = {name: tensor.detach().cpu().numpy() for name, tensor in model.state_dict().items()}
+        return arrays, None if optimizer is None else _map_tensors(optimizer.state_dict(), to_numpy=True)
+
+    def import_state(self, model: Any, optimizer: Any, arrays: Dict[str, np.ndarray], optimizer_state: Any) -> None:
+        if hvdp_keras.is_keras_model(model):
+            hvdp_keras.import_state(model, optimizer, arrays, optimizer_state)
+            return
+        model.load_state_dict({name: torch.from_numpy(np.array(array)) for name, array in arrays.items()})
+        if optimizer is not None and optimizer_state is not None:
+            optimizer.load_state_dict(_map_tensors(optimizer_state, to_numpy=False))
 
     # Framework-specific extras (beside the neutral names).
 
