@@ -21,25 +21,12 @@ import time
 from typing import Callable, Tuple
 
 import numpy as np
+from digits_data import load_digits  # examples/digits_data.py, beside this script
 
 import hvdp
 
 HIDDEN = 128
 CLASSES = 10
-Arrays = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
-def load_digits(seed: int) -> Arrays:
-    """Stratified 80/20 split of the digits, standardized with training statistics."""
-    from sklearn.datasets import load_digits as sklearn_digits
-    from sklearn.model_selection import train_test_split
-
-    data = sklearn_digits()
-    x_train, x_test, y_train, y_test = train_test_split(
-        data.data.astype(np.float32), data.target.astype(np.int64),
-        test_size=0.2, random_state=seed, stratify=data.target)
-    mean, std = x_train.mean(axis=0), x_train.std(axis=0) + 1e-6
-    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
 
 
 def torch_trainer(lr: float, seed: int) -> Tuple[Callable, Callable]:
