@@ -57,3 +57,12 @@ def test_train_digits_records_every_step_under_profile(framework, tmp_path_facto
     assert all(step["phases"].get("sync", 0) > 0 and step["examples"] for step in records[0][1:])
     summaries = report.summarize(records)
     assert report.diagnose(summaries).stragglers == []
+
+
+def test_timeline_flag_writes_horovods_timeline(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    job = run_job(["--framework", "torch", "--timeline", str(timeline), str(REPO / "examples" / "train_digits.py"),
+                   "--epochs", "1"], tmp_path)
+    assert job.returncode == 0, job.output[-3000:]
+    text = timeline.read_text()
+    assert text.startswith("[") and '"ph": "M"' in text and "ALLREDUCE" in text
