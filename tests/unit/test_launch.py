@@ -239,3 +239,10 @@ def test_job_watcher_names_the_cause_not_the_consequences():
     stall = JobWatcher()
     stall.feed("[1,0]<stderr>:1!: [allreduce.weight, allreduce.bias]\n")
     assert "rank 1 never submitted allreduce.weight, allreduce.bias" in stall.summary(1)
+
+
+def test_exit_codes_are_described_as_signals_only_when_they_are():
+    from hvdp.launch import describe_exit
+
+    assert describe_exit(-9) == "was killed by SIGKILL" and describe_exit(137) == "was killed by SIGKILL"
+    assert describe_exit(255) == "exited with status 255" and describe_exit(1) == "exited with status 1"

@@ -30,6 +30,7 @@ def _record_then_shutdown() -> None:
 
 hvdp.shutdown = _record_then_shutdown
 sys.argv = [str(EXAMPLE), *sys.argv[1:]]
+sys.path.insert(0, str(EXAMPLE.parent))  # as `python examples/train_digits.py` does
 runpy.run_path(str(EXAMPLE), run_name="__main__")
 
 report = {
