@@ -274,6 +274,15 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
     profile = timeline = None
     stall_timeout = DEFAULT_STALL_TIMEOUT
     i = 0
+    flag = inline = ""
+
+    def take() -> str:
+        """The current flag's value (``--flag=V`` or ``--flag V``), moving past both."""
+        nonlocal i
+        value = inline or _value(argv, i, flag)
+        i += 1 if inline else 2
+        return value
+
     while i < len(argv):
         token = argv[i]
         flag, _, inline = token.partition("=")
@@ -285,41 +294,34 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
         if token in ("-h", "--help"):
             raise SystemExit(print(USAGE) or 0)
         if flag in ("-np", "--num-proc", "-n"):
-            raw = inline or _value(argv, i, flag)
+            raw = take()
             try:
                 num_proc = int(raw)
             except ValueError:
                 raise LaunchError(
                     f"hvdp run: -np {raw!r} is not a number; give the process count, e.g. -np 2.") from None
-            i += 1 if inline else 2
         elif flag == "--framework":
-            framework = inline or _value(argv, i, flag)
-            i += 1 if inline else 2
+            framework = take()
         elif flag in ("-H", "--hosts"):
-            hosts = inline or _value(argv, i, flag)
-            i += 1 if inline else 2
+            hosts = take()
         elif flag in ("--hostfile", "-hostfile"):
-            hostfile = inline or _value(argv, i, flag)
-            i += 1 if inline else 2
+            hostfile = take()
         elif flag in ("-p", "--ssh-port"):
-            raw = inline or _value(argv, i, flag)
+            raw = take()
             if not raw.isdigit() or not 1 <= int(raw) <= 65535:
                 raise LaunchError(f"hvdp run: {flag} {raw!r} is not a port number (1-65535); "
                                   f"e.g. --ssh-port 2222.")
             ssh_port = int(raw)
-            i += 1 if inline else 2
         elif flag in ("-i", "--ssh-identity-file"):
-            identity = inline or _value(argv, i, flag)
-            i += 1 if inline else 2
+            identity = take()
         elif flag in ("--network-interface", "--network-interfaces"):
-            raw = inline or _value(argv, i, flag)
+            raw = take()
             for nic in raw.split(","):
                 if not _NIC.match(nic.strip()):
                     raise LaunchError(f"hvdp run: {flag} {raw!r}: {nic.strip()!r} is not a network interface "
                                       f"name; e.g. --network-interface eth0 (ip -br link lists them).")
                 if nic.strip() not in nics:
                     nics.append(nic.strip())
-            i += 1 if inline else 2
         elif token in ("--gloo", "--mpi"):
             if controller and controller != token[2:]:
                 raise LaunchError("hvdp run: --gloo and --mpi both given; choose one controller.")
@@ -329,26 +331,23 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
             dry_run = True
             i += 1
         elif flag == "--profile":
-            profile = inline or _value(argv, i, flag)
-            i += 1 if inline else 2
+            profile = take()
         elif flag == "--timeline":
-            timeline = inline or _value(argv, i, flag)
-            i += 1 if inline else 2
+            timeline = take()
         elif flag == "--stall-timeout":
-            raw = inline or _value(argv, i, flag)
+            raw = take()
             if not raw.isdigit():
                 raise LaunchError(f"hvdp run: --stall-timeout {raw!r} is not a whole number of seconds; "
                                   f"e.g. --stall-timeout 120 (0 turns the check off).")
             stall_timeout = int(raw)
-            i += 1 if inline else 2
         else:
             table = horovodrun_arity() if arity is None else arity
             if flag not in table:
                 raise LaunchError(f"hvdp run: unknown option {flag!r}: not an hvdp run option nor a "
                                   f"horovodrun option. See hvdp run --help and horovodrun --help.")
-            take = 0 if inline else table[flag]
-            passthrough += argv[i:i + 1 + take]
-            i += 1 + take
+            count = 0 if inline else table[flag]
+            passthrough += argv[i:i + 1 + count]
+            i += 1 + count
     command = argv[i:]
     if num_proc is not None and num_proc < 1:
         raise LaunchError(f"hvdp run: -np {num_proc} must be at least 1.")

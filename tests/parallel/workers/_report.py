@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import numpy as np
 
@@ -25,3 +25,12 @@ def digest(values: np.ndarray) -> str:
 def compare(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
     """Largest difference, and whether a equals b within rtol 1e-5, atol 1e-6."""
     return {"max_abs": float(np.max(np.abs(a - b))), "close": bool(np.allclose(a, b, rtol=1e-5, atol=1e-6))}
+
+
+def refusal(call: Callable[[], object]) -> str:
+    """The error ``call`` raises, as 'Type: message' for the test to read."""
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

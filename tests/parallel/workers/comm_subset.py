@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
 
 from mpi4py import MPI
 
@@ -19,17 +18,9 @@ import hvdp
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _report
 import _train
+from _report import refusal
 
 DONE = 7  # the message tag rank 0 sends when training is over
-
-
-def refusal(call: Callable[[], object]) -> str:
-    """The error ``call`` raises, as 'Type: message' for the test to read."""
-    try:
-        call()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def main() -> None:

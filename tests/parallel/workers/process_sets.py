@@ -9,7 +9,6 @@ Every rank reports the collectives it ran in its sets and how misuse is refused.
 from __future__ import annotations
 
 import sys
-from typing import Callable
 
 import numpy as np
 
@@ -18,15 +17,7 @@ import hvdp
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _report
 import _train
-
-
-def refusal(call: Callable[[], object]) -> str:
-    """The error ``call`` raises, as 'Type: message' for the test to read."""
-    try:
-        call()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+from _report import refusal
 
 
 def main() -> None:
