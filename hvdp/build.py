@@ -13,6 +13,9 @@ require, each checked to apply once:
    contexts do; unpatched, they bind to whatever the host name resolves to,
    which is a loopback address on Debian-style hosts (``127.0.1.1``), and a
    multi-host Gloo job dies with "connect [127.0.x.1]: Connection refused".
+4. The Gloo controller sizes its list of global ranks (it only reserved room
+   for it), so the stall inspector sees every rank; unpatched, under Gloo it
+   never reports a stalled rank and never ends a stalled job.
 
 The wheel is cached outside the repository under a key made of everything that
 changes the binary, so a second build with the same inputs only reinstalls it.
@@ -43,7 +46,7 @@ HOROVOD_VERSION = "0.28.1"
 SDIST_NAME = f"horovod-{HOROVOD_VERSION}.tar.gz"
 SDIST_SHA256 = "92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
 #: Bump whenever the patches below change, so cached wheels are rebuilt.
-PATCH_LEVEL = 2
+PATCH_LEVEL = 3
 #: Python packages Horovod's setup.py imports (we build without isolation).
 BUILD_REQUIREMENTS = ["cloudpickle", "psutil", "pyyaml", "packaging", "setuptools", "wheel"]
 #: Where the record of the installed build lives, inside the horovod package.
@@ -82,6 +85,10 @@ PATCHES = (
           "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
           "process-set Gloo contexts ignored HOROVOD_GLOO_IFACE and bound to the address the "
           "hostname resolves to, 127.0.1.1 on Debian hosts: multi-host Gloo jobs failed"),
+    Patch("horovod/common/gloo/gloo_controller.cc", "  global_ranks_.reserve(size_);",
+          "  global_ranks_.resize(size_);",
+          "the Gloo controller's rank list stayed empty, so its stall inspector checked no rank "
+          "and a stalled Gloo job hung forever"),
 )
 
 

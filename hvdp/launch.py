@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from hvdp import _framework
+from hvdp import _framework, tuning
 from hvdp.errors import FrameworkError, LaunchError
 
 USAGE = """usage: hvdp run [-np N] [--framework torch|tensorflow] [--gloo | --mpi]
@@ -439,6 +439,7 @@ def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
                 env[var] = threads
         if "TF_NUM_INTEROP_THREADS" not in environ:
             env["TF_NUM_INTEROP_THREADS"] = "1"
+    env.update(tuning.horovod_defaults(args.controller, args.framework, hosts is None, environ))
     if args.profile:
         env["HVDP_PROFILE_DIR"] = str(Path(args.profile).expanduser().absolute())
     if args.timeline:
