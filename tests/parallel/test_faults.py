@@ -32,8 +32,9 @@ def test_an_exception_on_one_rank_is_named_as_the_cause(controller, tmp_path):
     assert "rank 0 raised" not in job.output  # rank 0 only stopped because rank 1 failed
 
 
-def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_tensors(tmp_path):
-    job, detection = run_fault("stall", "mpi", tmp_path, "--stall-timeout", "10")
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_tensors(controller, tmp_path):
+    job, detection = run_fault("stall", controller, tmp_path, "--stall-timeout", "10")
     assert job.returncode != 0
     assert 10 <= detection < 10 + 20, detection  # Horovod checks every timeout/5 s, then the launcher stops
     assert "hvdp: the job was ended: rank 1 never submitted allreduce." in job.output, job.output[-3000:]
