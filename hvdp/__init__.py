@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from hvdp import _framework, profiler
+from hvdp import _framework, elastic, profiler
 from hvdp import checkpoint as _checkpoint
 from hvdp import process_sets as _process_sets
 from hvdp.backends.base import COMPRESSIONS, REDUCE_OPS
@@ -67,6 +67,7 @@ __all__ = [
     "save_checkpoint",
     "cross_rank",
     "cross_size",
+    "elastic",
     "framework",
     "init",
     "is_initialized",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -24,6 +25,7 @@ from hvdp.errors import FrameworkError, LaunchError
 USAGE = """usage: hvdp run [-np N] [--framework torch|tensorflow] [--gloo | --mpi]
                 [-H HOSTS | --hostfile FILE] [-p PORT] [-i KEY] [--network-interface NIC]
                 [--profile DIR] [--timeline FILE] [--stall-timeout SECONDS]
+                [--elastic --host-discovery-script FILE [--min-np N] [--max-np M]]
                 [--dry-run] [horovodrun options] COMMAND ...
 
 Runs COMMAND (a .py file is run with this Python) on N processes through horovodrun.
@@ -44,8 +46,16 @@ Runs COMMAND (a .py file is run with this Python) on N processes through horovod
   --profile DIR         record hvdp.profiler steps of every rank in DIR (then: hvdp report DIR)
   --timeline FILE       write Horovod's timeline of the run to FILE (chrome://tracing format)
   --stall-timeout S     end the job when a rank has not joined a collective for S seconds
-                        (default 300; Horovod's stall inspector, which names the missing ranks
-                        and tensors, runs under --mpi; 0 turns it off)
+                        (default 300; Horovod's stall inspector names the missing ranks and
+                        tensors, under Gloo and MPI; 0 turns it off)
+  --elastic             elastic training (hvdp.elastic): workers may fail, leave and join while
+                        the job runs; needs Gloo (not --mpi) and a discovery script
+  --host-discovery-script FILE
+                        an executable that prints the hosts available now, one 'HOST:SLOTS'
+                        (or 'HOST', 1 slot unless --slots-per-host) per line; run every second
+  --min-np N            train while at least N processes are up (default: -np)
+  --max-np M            never start more than M processes (default: as many as there are slots)
+                        (-np, default --min-np, is the number to start with)
   --dry-run             print the command and the environment hvdp sets, run nothing
 
 When a rank dies or stalls, every other rank is stopped and hvdp run exits non-zero
@@ -80,6 +90,10 @@ class RunArgs:
     profile: Optional[str] = None
     timeline: Optional[str] = None
     stall_timeout: int = DEFAULT_STALL_TIMEOUT
+    elastic: bool = False
+    min_np: Optional[int] = None
+    max_np: Optional[int] = None
+    discovery_script: Optional[str] = None
 
 
 #: A host name or IPv4 address as horovodrun accepts it.
@@ -273,6 +287,10 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
     passthrough: List[str] = []
     profile = timeline = None
     stall_timeout = DEFAULT_STALL_TIMEOUT
+    elastic = False
+    min_np: Optional[int] = None
+    max_np: Optional[int] = None
+    discovery_script: Optional[str] = None
     i = 0
     flag = inline = ""
 
@@ -340,6 +358,20 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
                 raise LaunchError(f"hvdp run: --stall-timeout {raw!r} is not a whole number of seconds; "
                                   f"e.g. --stall-timeout 120 (0 turns the check off).")
             stall_timeout = int(raw)
+        elif token == "--elastic":
+            elastic = True
+            i += 1
+        elif flag in ("--min-np", "--min-num-proc", "--max-np", "--max-num-proc"):
+            raw = take()
+            if not raw.isdigit() or int(raw) < 1:
+                raise LaunchError(f"hvdp run: {flag} {raw!r} is not a process count; give a whole number "
+                                  f"of at least 1, e.g. {flag} 2.")
+            if flag.startswith("--min"):
+                min_np = int(raw)
+            else:
+                max_np = int(raw)
+        elif flag == "--host-discovery-script":
+            discovery_script = take()
         else:
             table = horovodrun_arity() if arity is None else arity
             if flag not in table:
@@ -362,11 +394,125 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
         raise LaunchError("hvdp run: give -H/--hosts or --hostfile, not both.")
     if hosts:
         parse_hosts(hosts)
+    if elastic or min_np is not None or max_np is not None or discovery_script is not None:
+        min_np, max_np = check_elastic_args(elastic, num_proc, min_np, max_np, discovery_script,
+                                            controller, hosts or hostfile)
     return RunArgs(num_proc=num_proc, command=command, framework=framework,
                    controller=controller or "gloo", hosts=hosts, hostfile=hostfile,
                    ssh_port=ssh_port, ssh_identity_file=identity, network_interfaces=nics,
                    dry_run=dry_run, passthrough=passthrough, profile=profile, timeline=timeline,
-                   stall_timeout=stall_timeout)
+                   stall_timeout=stall_timeout, elastic=elastic, min_np=min_np, max_np=max_np,
+                   discovery_script=discovery_script)
+
+
+def check_elastic_args(elastic: bool, num_proc: Optional[int], min_np: Optional[int], max_np: Optional[int],
+                       discovery_script: Optional[str], controller: Optional[str],
+                       hosts: Optional[str]) -> Tuple[int, Optional[int]]:
+    """Check the elastic options together; return (min-np, max-np) with min-np defaulting to -np.
+
+    Example:
+        >>> check_elastic_args(True, 2, None, 4, "discover.sh", None, None)
+        (2, 4)
+    """
+    if not elastic:
+        given = "--host-discovery-script" if discovery_script is not None else \
+            "--min-np" if min_np is not None else "--max-np"
+        raise LaunchError(f"hvdp run: {given} only applies to elastic jobs; add --elastic "
+                          f"(hvdp run --elastic --host-discovery-script FILE ...).")
+    if controller == "mpi":
+        raise LaunchError("hvdp run: --elastic needs the Gloo controller (Horovod runs elastic jobs on Gloo "
+                          "only), but --mpi was given. Drop --mpi (or use --gloo).")
+    if hosts:
+        raise LaunchError("hvdp run: --elastic takes its hosts from --host-discovery-script, not -H or "
+                          "--hostfile; list the hosts in the discovery script's output instead.")
+    if discovery_script is None:
+        raise LaunchError("hvdp run: --elastic needs --host-discovery-script FILE: an executable that prints "
+                          "the available hosts, one HOST:SLOTS per line (e.g. echo localhost:2).")
+    origin = "--min-np"
+    if min_np is None:
+        min_np, origin = num_proc, "-np"
+    if min_np is None:
+        raise LaunchError("hvdp run: --elastic needs --min-np N (or -np N): the fewest processes to train "
+                          "with, e.g. --min-np 1 --max-np 4.")
+    if max_np is not None and min_np > max_np:
+        raise LaunchError(f"hvdp run: {origin} {min_np} is greater than --max-np {max_np}"
+                          f"{' (-np is the --min-np when --min-np is not given)' if origin == '-np' else ''}; "
+                          f"the job could never run. Give --min-np <= --max-np, e.g. --min-np {max_np} "
+                          f"--max-np {max_np} or --min-np {min_np} --max-np {min_np}.")
+    if num_proc is not None and (num_proc < min_np or (max_np is not None and num_proc > max_np)):
+        allowed = f"{min_np}..{max_np}" if max_np is not None else f"at least {min_np}"
+        raise LaunchError(f"hvdp run: -np {num_proc} is outside --min-np {min_np} and --max-np "
+                          f"{max_np if max_np is not None else '(unbounded)'}; the job starts with -np "
+                          f"processes, so give -np {allowed} (or leave -np out to start with --min-np).")
+    return min_np, max_np
+
+
+#: One line of a host discovery script's output: HOST or HOST:SLOTS.
+_DISCOVERED = re.compile(r"^([\w.-]+)(?::(\d+))?$")
+
+
+def discovery_script_path(path: str) -> Path:
+    """The absolute path of the host discovery script; LaunchError if it is missing or not executable.
+
+    Example:
+        >>> discovery_script_path("/bin/true").name
+        'true'
+    """
+    script = Path(path).expanduser()
+    if not script.is_file():
+        raise LaunchError(f"hvdp run: --host-discovery-script {path!r} not found (working directory "
+                          f"{os.getcwd()}). Give the path of an executable that prints one HOST:SLOTS per line.")
+    if not os.access(script, os.X_OK):
+        raise LaunchError(f"hvdp run: --host-discovery-script {path!r} is not executable; Horovod runs it "
+                          f"directly. Fix: chmod +x {path} (and start it with a #! line, e.g. #!/bin/sh).")
+    return script.absolute()
+
+
+def check_discovery_script(path: str, timeout_s: float = 30.0) -> List[Tuple[str, int]]:
+    """Run the host discovery script once and check what it prints: ``HOST`` or ``HOST:SLOTS`` per line.
+
+    A line without slots counts as 1 slot here (``--slots-per-host`` changes that in the job).
+
+    Returns:
+        The hosts and slots the script lists now.
+
+    Raises:
+        LaunchError: the script is missing, not executable, fails, hangs, or prints a line
+            that is not ``HOST`` or ``HOST:SLOTS``; the message names the script and the line.
+
+    Example:
+        >>> check_discovery_script("./discover_hosts.sh")  # doctest: +SKIP
+        [('localhost', 2)]
+    """
+    import subprocess
+
+    script = discovery_script_path(path)
+    # Through the shell, as Horovod runs it; in its own process group, so a hung script ends with its children.
+    with subprocess.Popen(shlex.quote(str(script)), shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, errors="replace", start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise LaunchError(f"hvdp run: --host-discovery-script {path!r} did not finish in {timeout_s:g} s; "
+                              f"Horovod runs it every second, so it must print the hosts and exit quickly.") from None
+    if process.returncode != 0:
+        detail = stderr.strip().splitlines()[-1] if stderr.strip() else "no error output"
+        raise LaunchError(f"hvdp run: --host-discovery-script {path!r} exited with status {process.returncode} "
+                          f"({detail}); it must exit 0 after printing one HOST:SLOTS per line.")
+    found: List[Tuple[str, int]] = []
+    for number, raw in enumerate(stdout.splitlines(), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        match = _DISCOVERED.match(line)
+        if match is None:
+            raise LaunchError(f"hvdp run: --host-discovery-script {path!r} printed {raw!r} on line {number}, "
+                              f"which is not HOST or HOST:SLOTS (e.g. node1:2). Make it print only host lines "
+                              f"(send anything else to stderr).")
+        found.append((match.group(1), int(match.group(2) or 1)))
+    return found
 
 
 def horovodrun_path() -> str:
@@ -419,12 +565,14 @@ def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
     if args.controller == "mpi" and not shutil.which("mpirun", path=environ.get("PATH")):
         raise LaunchError("hvdp run --mpi: mpirun not found. Fix: apt-get install -y openmpi-bin "
                           "libopenmpi-dev, or use --gloo.")
-    hosts, origin = resolve_hosts(args, environ)
-    num_proc = args.num_proc
+    # An elastic job's hosts come from its discovery script while it runs, not from -H or Slurm.
+    hosts, origin = (None, "") if args.elastic else resolve_hosts(args, environ)
+    num_proc = args.num_proc if args.num_proc is not None or not args.elastic else args.min_np
     if hosts is None:
         if num_proc is None:
             raise LaunchError("hvdp run: -np is required (the number of processes), e.g. hvdp run -np 2 train.py.")
-        threads = str(max(1, cpu_count // num_proc))
+        # An elastic job may grow to --max-np processes: split the cores among that many.
+        threads = str(max(1, cpu_count // max(num_proc, args.max_np or 0)))
     else:
         slots = sum(count for _, count in hosts)
         num_proc = slots if num_proc is None else num_proc
@@ -464,6 +612,8 @@ def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
         argv += ["--ssh-identity-file", str(key.absolute())]
     for nic in args.network_interfaces:
         argv += ["--network-interface", nic]
+    if args.elastic:
+        argv += _elastic_flags(args)
     argv += args.passthrough
     command = list(args.command)
     if command[0].endswith(".py"):
@@ -471,6 +621,18 @@ def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
             raise LaunchError(f"hvdp run: script {command[0]!r} not found (working directory {os.getcwd()}).")
         command.insert(0, sys.executable)
     return argv + command, env
+
+
+def _elastic_flags(args: RunArgs) -> List[str]:
+    """horovodrun's flags for an elastic job: the discovery script (absolute) and the process range."""
+    script = discovery_script_path(args.discovery_script or "")
+    # Horovod hands the path to a shell as it is: quote it.
+    flags = ["--host-discovery-script", shlex.quote(str(script)), "--min-np", str(args.min_np)]
+    if args.max_np is not None:
+        flags += ["--max-np", str(args.max_np)]
+    if not any(item.partition("=")[0] == "--slots-per-host" for item in args.passthrough):
+        flags += ["--slots-per-host", "1"]  # a HOST line without :SLOTS has one slot
+    return flags
 
 
 def _hosts_arg(hosts: List[Tuple[str, int]]) -> str:
@@ -555,6 +717,12 @@ def run(argv: List[str]) -> int:
 
     args = parse_run_args(argv)
     command, env = build_command(args, os.environ, os.cpu_count() or 1, horovodrun_path())
+    if args.elastic and not args.dry_run:
+        slots = sum(count for _, count in check_discovery_script(args.discovery_script or ""))
+        if args.min_np is not None and slots < args.min_np:
+            print(f"hvdp run: the discovery script lists {slots} slot(s) now, fewer than --min-np "
+                  f"{args.min_np}; the job waits for more (up to --elastic-timeout, default 600 s).",
+                  file=sys.stderr, flush=True)
     if args.dry_run:
         for key, value in sorted(env.items()):
             print(f"{key}={value}")

@@ -15,7 +15,7 @@ backend is the only place that touches the framework and ``horovod.<framework>``
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
@@ -126,3 +126,10 @@ class Backend(Protocol):
 
     def import_state(self, model: Any, optimizer: Any, arrays: Dict[str, np.ndarray], optimizer_state: Any) -> None:
         """Load what :meth:`export_state` returned into ``model`` (and ``optimizer``) on this rank."""
+
+    def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """``func(state, ...)`` under this framework's ``horovod.<framework>.elastic.run``.
+
+        A failed collective reaches Horovod as ``HorovodInternalError`` (state restored,
+        Horovod restarted, ``func`` called again); ``state`` is an ``hvdp.elastic.State``.
+        """

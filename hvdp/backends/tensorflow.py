@@ -8,7 +8,8 @@ work both eagerly and inside ``tf.function`` (``model.fit``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import functools
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -225,6 +226,24 @@ class Backend:
 
     def import_state(self, model: Any, optimizer: Any, arrays: Dict[str, np.ndarray], optimizer_state: Any) -> None:
         hvdp_keras.import_state(model, optimizer, arrays, optimizer_state)
+
+    def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        import horovod.tensorflow.elastic as hvd_elastic
+        from horovod.common.exceptions import HorovodInternalError
+
+        @functools.wraps(func)
+        def translated(*args: Any, **kwargs: Any) -> Any:
+            # Horovod's own translation knows only HorovodAllreduce/Allgather/Broadcast and returns
+            # None on any other UnknownError, so a failed HorovodGroupedAllreduce (the Keras
+            # optimizer's) would silently end training: any op error from a Horovod op is a failed collective.
+            try:
+                return func(*args, **kwargs)
+            except tf.errors.OpError as exc:
+                if "Horovod" not in str(exc):
+                    raise
+                raise HorovodInternalError(exc) from exc
+
+        return hvd_elastic.run(translated)
 
     # Framework-specific extras (beside the neutral names).
 

@@ -8,7 +8,7 @@ the torch Keras backend are wrapped by :mod:`hvdp.keras` with torch collectives.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 import horovod.torch as hvd
@@ -294,6 +294,13 @@ class Backend:
         model.load_state_dict({name: torch.from_numpy(np.array(array)) for name, array in arrays.items()})
         if optimizer is not None and optimizer_state is not None:
             optimizer.load_state_dict(_map_tensors(optimizer_state, to_numpy=False))
+
+    def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        # Restoring the optimizer (load_state_dict) also drops the gradient allreduces
+        # Horovod's DistributedOptimizer had in flight when a collective failed.
+        import horovod.torch.elastic as hvd_elastic
+
+        return hvd_elastic.run(func)
 
     # Framework-specific extras (beside the neutral names).
 

@@ -1,0 +1,203 @@
+"""Elastic training: workers may fail, leave and join while the job runs (``hvdp run --elastic``).
+
+Built on Horovod's elastic machinery (``horovod.common.elastic`` and the framework's
+``horovod.<framework>.elastic.run``), with the model and optimizer saved, restored
+and synced through hvdp's backends, so the same code serves torch modules and
+optimizers and Keras 3 models and optimizers on either Keras backend.
+
+How it works: :class:`State` holds the training state; :meth:`State.commit` keeps a
+copy of it in memory and checks whether hosts were added or removed. The training
+function, decorated with :func:`run`, is started again whenever a collective fails
+(a worker died: the state goes back to the last commit) or the hosts change (the
+state was just committed); before each start, every worker takes rank 0's state.
+
+Example:
+    >>> import hvdp
+    >>> hvdp.init()                                                        # doctest: +SKIP
+    >>> state = hvdp.elastic.State(model, optimizer, epoch=0, batch=0)     # doctest: +SKIP
+    >>> @hvdp.elastic.run
+    ... def train(state):
+    ...     while state.epoch < epochs:
+    ...         while state.batch < batches:
+    ...             step(state.batch)
+    ...             state.batch += 1
+    ...             if state.batch % 10 == 0:
+    ...                 state.commit()
+    ...         state.epoch, state.batch = state.epoch + 1, 0
+    ...         state.commit()
+    >>> train(state)                                                       # doctest: +SKIP
+
+Launch it with ``hvdp run --elastic --min-np 1 --max-np 4 --host-discovery-script
+./discover_hosts.sh train.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Callable, Dict, List, Optional, TypeVar
+
+import numpy as np
+
+from hvdp import _framework
+
+__all__ = ["State", "run"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _copy(tree: Any) -> Any:
+    """A deep copy of a tree of arrays: exported arrays may share memory with live tensors."""
+    if isinstance(tree, np.ndarray):
+        return np.array(tree, copy=True)
+    if isinstance(tree, dict):
+        return {key: _copy(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copy(value) for value in tree)
+    return copy.deepcopy(tree)
+
+
+class State:
+    """The training state an elastic job keeps across failures and changes of workers.
+
+    ``model`` and ``optimizer`` are a ``torch.nn.Module`` and ``torch.optim.Optimizer``
+    (wrapped or not by :func:`hvdp.DistributedOptimizer`), or a Keras 3 model and
+    optimizer. Each keyword of ``extras`` (epoch, batch, a counter...) becomes an
+    attribute: read and assign it as ``state.epoch``; it is saved by :meth:`commit`,
+    put back by :meth:`restore`, and taken from rank 0 by :meth:`sync` (so are public
+    attributes set later). Extras must be picklable. Build a Keras model before
+    making its State.
+
+    Args:
+        model: the model being trained, or None.
+        optimizer: its optimizer, or None.
+        **extras: the other values to keep, with their starting values.
+
+    Raises:
+        NotInitializedError: ``hvdp.init()`` was not called first.
+        ValueError: an extra's name is one of State's own attributes.
+
+    Example:
+        >>> state = hvdp.elastic.State(model, optimizer, epoch=0, batch=0, step=0)  # doctest: +SKIP
+        >>> state.register_reset_callbacks([lambda: print("now", hvdp.size(), "workers")])  # doctest: +SKIP
+    """
+
+    def __init__(self, model: Any = None, optimizer: Any = None, **extras: Any) -> None:
+        from horovod.common.elastic import State as HorovodState
+
+        backend = _framework.current("elastic.State")
+        reserved = sorted(name for name in extras if name.startswith("_") or hasattr(State, name))
+        if reserved:
+            raise ValueError(f"hvdp.elastic.State: extra(s) {', '.join(map(repr, reserved))} would hide "
+                             f"State's own attributes; rename them (e.g. {reserved[0].lstrip('_')}_value).")
+        self.model = model
+        self.optimizer = optimizer
+        self._extras: Dict[str, Any] = {}
+        for name, value in extras.items():
+            setattr(self, name, value)
+        self._saved_model: Optional[Dict[str, np.ndarray]] = None
+        self._saved_optimizer: Any = None
+        # Horovod's State tracks the host updates the launcher sends and the reset callbacks.
+        self._hosts = HorovodState(bcast_object=lambda obj: backend.broadcast_object(obj, 0, None),
+                                   get_rank=backend.rank)
+        self.save()
+
+    # The interface Horovod's elastic run and notification manager call.
+
+    def save(self) -> None:
+        """Keep a copy of the model, optimizer and extras in memory (what :meth:`restore` goes back to)."""
+        backend = _framework.current("elastic.State.save")
+        if self.model is not None:
+            arrays, optimizer_state = backend.export_state(self.model, self.optimizer)
+            self._saved_model, self._saved_optimizer = _copy(arrays), _copy(optimizer_state)
+        self._extras = {name: copy.deepcopy(getattr(self, name)) for name in self._extra_names()}
+
+    def restore(self) -> None:
+        """Go back to the last saved state, undoing what was done since (after a worker failed)."""
+        backend = _framework.current("elastic.State.restore")
+        if self.model is not None and self._saved_model is not None:
+            backend.import_state(self.model, self.optimizer, _copy(self._saved_model), _copy(self._saved_optimizer))
+        for name, value in self._extras.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    def sync(self) -> None:
+        """Give every worker rank 0's model, optimizer and extras (when workers start or join), and save them."""
+        backend = _framework.current("elastic.State.sync")
+        if self.model is not None:
+            backend.broadcast_state(self.model, self.optimizer, 0, None)
+        values = backend.broadcast_object({name: getattr(self, name) for name in self._extra_names()}, 0, None)
+        for name, value in values.items():
+            setattr(self, name, value)
+        self.save()
+
+    def commit(self) -> None:
+        """Save the state, then check for added or removed hosts (then the training function restarts).
+
+        Every worker must call it at the same points. It copies the whole state, so
+        commit every few batches rather than every batch: a failure loses the work
+        done since the last commit.
+
+        Raises:
+            horovod.common.exceptions.HostsUpdatedInterrupt: hosts changed; :func:`run` handles it.
+        """
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise Horovod's ``HostsUpdatedInterrupt`` (handled by :func:`run`) if hosts were added or removed."""
+        self._hosts.check_host_updates()
+
+    def register_reset_callbacks(self, callbacks: List[Callable[[], None]]) -> None:
+        """Functions to call after every reset (workers added or removed), e.g. to rescale the learning rate.
+
+        Example:
+            >>> state.register_reset_callbacks([lambda: set_lr(0.1 * hvdp.size())])  # doctest: +SKIP
+        """
+        self._hosts.register_reset_callbacks(callbacks)
+
+    def on_reset(self) -> None:
+        """Called by :func:`run` once Horovod has restarted on the new set of workers (before the sync):
+        drops stale host updates and runs the reset callbacks."""
+        self._hosts.on_reset()
+
+    def on_hosts_updated(self, timestamp: int, update_res: Any) -> None:
+        """Called by Horovod's notification service when the launcher sees hosts change."""
+        self._hosts.on_hosts_updated(timestamp, update_res)
+
+    def _extra_names(self) -> List[str]:
+        return [name for name in vars(self) if not name.startswith("_") and name not in ("model", "optimizer")]
+
+
+def run(func: F) -> F:
+    """Decorate the training function of an elastic job; its first argument is a :class:`State`.
+
+    Before ``func`` starts, every worker takes rank 0's state. When a worker fails
+    inside a collective, the others go back to the last :meth:`State.commit`,
+    Horovod restarts on the workers left, and ``func`` is called again; when hosts
+    are added or removed (seen at a commit), the same happens from the state just
+    committed. So ``func`` should resume from the state (``while state.epoch < epochs``).
+    Outside ``hvdp run --elastic`` it simply runs ``func`` once after the sync.
+
+    Raises:
+        TypeError: the first argument is not an :class:`hvdp.elastic.State`.
+
+    Example:
+        >>> @hvdp.elastic.run  # doctest: +SKIP
+        ... def train(state):
+        ...     while state.epoch < 10:
+        ...         train_one_epoch(state.model, state.optimizer)
+        ...         state.epoch += 1
+        ...         state.commit()
+        >>> train(hvdp.elastic.State(model, optimizer, epoch=0))  # doctest: +SKIP
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise TypeError(f"@hvdp.elastic.run: the first argument of {func.__name__}() must be an "
+                            f"hvdp.elastic.State, got {type(state).__name__}. Call it as "
+                            f"{func.__name__}(hvdp.elastic.State(model, optimizer, epoch=0), ...).")
+        backend = _framework.current("elastic.run")
+        return backend.elastic_run(func)(state, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

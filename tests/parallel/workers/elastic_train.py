@@ -1,0 +1,157 @@
+"""Elastic training that goes from 2 workers to 1 and back to 2, on the framework hvdp run chose,
+with a torch module (argv[1] == "torch") or a Keras 3 model ("keras", on either Keras backend).
+
+The job runs under ``hvdp run --elastic`` with a discovery script that prints the file
+$HVDP_TEST_OUT/hosts: two names of this machine (localhost and 127.0.0.1), one slot each,
+so that Horovod can blacklist the "host" of the killed worker and keep the other.
+
+1. At epoch 1, batch 5 (between commits), the first rank 1 removes its host from the file
+   (the machine leaves) and kills itself with SIGKILL.
+2. Rank 0 goes back to its last commit and trains on alone.
+3. At epoch 2, batch 4, rank 0 puts the host back in the file and keeps committing until
+   Horovod adds the new worker (after the blacklist cooldown): training goes on with 2.
+
+Every worker that finishes writes rank{N}.json: each commit's step counter in order, the
+step counter and size at each (re)start of the training function, the sizes it trained at,
+its reset callbacks, timestamps of the events, and its final parameters' digest and largest
+difference from every other rank's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import hvdp
+
+hvdp.init()
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import _report
+from _report import digest
+
+EPOCHS, BATCHES, COMMIT_EVERY, BATCH = 4, 8, 2, 16
+KILL_AT, READD_AT = (1, 5), (2, 4)
+OUT = os.environ["HVDP_TEST_OUT"]
+HOSTS = os.path.join(OUT, "hosts")
+KILLED = os.path.join(OUT, "killed")
+READD_TIMEOUT_S = 60
+
+
+def batch(epoch: int, number: int, rank: int) -> tuple:
+    data = np.random.default_rng(10_000 * epoch + 100 * number + rank)
+    return data.normal(size=(BATCH, 8)).astype(np.float32), data.integers(0, 3, size=BATCH)
+
+
+def torch_parts() -> tuple:
+    import torch
+
+    torch.manual_seed(os.getpid())  # different on every worker until the state is synced
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    optimizer = hvdp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+
+    def step(x: np.ndarray, y: np.ndarray) -> None:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        optimizer.step()
+
+    def flat() -> np.ndarray:
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    return model, optimizer, step, flat
+
+
+def keras_parts() -> tuple:
+    import keras
+
+    keras.utils.set_random_seed(os.getpid() % 2**31)
+    model = keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3)])
+    optimizer = hvdp.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    def step(x: np.ndarray, y: np.ndarray) -> None:
+        model.train_on_batch(x, y)
+
+    def flat() -> np.ndarray:
+        return np.concatenate([np.asarray(v).reshape(-1) for v in model.trainable_variables])
+
+    return model, optimizer, step, flat
+
+
+PARTS = {"torch": torch_parts, "keras": keras_parts}
+
+
+def write_hosts(lines: list) -> None:
+    """Replace the hosts file atomically, so the discovery script never reads half of it."""
+    with open(HOSTS + ".tmp", "w") as out:
+        out.write("".join(f"{line}\n" for line in lines))
+    os.replace(HOSTS + ".tmp", HOSTS)
+
+
+def main() -> None:
+    model, optimizer, step, flat = PARTS[sys.argv[1]]()
+    commits: list = []
+    sizes: list = []
+    events: list = []
+    resets: list = []
+    starts: list = []
+    first = not os.path.exists(KILLED)
+    state = hvdp.elastic.State(model, optimizer, epoch=0, batch=0, step=0)
+    state.register_reset_callbacks([lambda: resets.append(hvdp.size())])
+
+    def commit() -> None:
+        commits.append(state.step)
+        state.commit()
+
+    @hvdp.elastic.run
+    def train(state: hvdp.elastic.State) -> None:
+        starts.append([state.step, hvdp.size()])  # after the sync (or the restore)
+        while state.epoch < EPOCHS:
+            while state.batch < BATCHES:
+                size = hvdp.size()
+                if (state.epoch, state.batch) == KILL_AT and first and hvdp.rank() == 1:
+                    mine = os.environ["HOROVOD_HOSTNAME"]
+                    kept = [line for line in open(HOSTS).read().split() if not line.startswith(mine + ":")]
+                    write_hosts(kept)
+                    with open(KILLED, "w") as out:
+                        out.write(f"{time.time()} {mine}")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if (state.epoch, state.batch) == READD_AT and size == 1:
+                    host = open(KILLED).read().split()[1]
+                    write_hosts(open(HOSTS).read().split() + [f"{host}:1"])
+                    events.append(["readd", time.time()])
+                    deadline = time.time() + READD_TIMEOUT_S
+                    while time.time() < deadline:  # commit() raises once Horovod has added the worker
+                        time.sleep(0.1)
+                        commit()
+                    raise RuntimeError(f"the worker was not re-added within {READD_TIMEOUT_S} s")
+                step(*batch(state.epoch, state.batch, hvdp.rank()))
+                state.batch += 1
+                state.step += 1
+                if not sizes or sizes[-1] != size:
+                    sizes.append(size)
+                    events.append([f"first step at size {size}", time.time()])
+                if state.batch % COMMIT_EVERY == 0:
+                    commit()
+            state.epoch, state.batch = state.epoch + 1, 0
+            commit()
+
+    train(state)
+    parameters = flat()
+    everyone = hvdp.allgather_object(parameters)
+    _report.write(hvdp.rank(), {
+        "rank": hvdp.rank(), "size": hvdp.size(), "first_incarnation": first, "commits": commits,
+        "sizes": sizes, "resets": resets, "starts": starts, "events": events, "epoch": state.epoch, "step": state.step,
+        "final": digest(parameters),
+        "max_abs_diff": max(float(np.max(np.abs(other - parameters))) for other in everyone),
+    })
+    hvdp.shutdown()
+
+
+if __name__ == "__main__":
+    main()
