@@ -1,7 +1,7 @@
 # The two commands a fresh machine needs (see README.md):
 #   make demo   set up everything, then train examples/train_digits.py on 2 processes, torch then TensorFlow
 #   make test   set up everything, then run the test suite
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint bench
 
 setup:
 	bash scripts/setup.sh
@@ -16,3 +16,6 @@ test: setup
 lint: setup
 	.venv/bin/ruff check hvdp tests examples
 	.venv/bin/mypy hvdp
+
+bench: setup
+	.venv/bin/hvdp bench --quick

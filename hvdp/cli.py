@@ -1,4 +1,4 @@
-"""The ``hvdp`` command: ``run``, ``doctor`` and ``build``."""
+"""The ``hvdp`` command: ``run``, ``doctor``, ``report``, ``bench`` and ``build``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print machine-readable JSON")
     report.add_argument("--plot", metavar="FILE.png", help="draw per-rank phase bars and step times")
     report.add_argument("--skip", type=int, default=None, help="warm-up steps to leave out (default: 10%%)")
+    bench = sub.add_parser("bench", help="hvdp vs plain Horovod, DDP, MultiWorkerMirroredStrategy and mpi4py, "
+                                         "side by side (see hvdp bench --help)")
+    from hvdp.bench import add_arguments as bench_arguments
+
+    bench_arguments(bench)
     build = sub.add_parser("build", help="build Horovod 0.28.1 for the installed frameworks and cache it")
     build.add_argument("--frameworks", default=None,
                        help="comma-separated subset of torch,tensorflow (default: all installed)")
@@ -54,6 +59,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             except ValueError as exc:
                 print(f"hvdp: error: {exc}", file=sys.stderr)
                 return 2
+        if args.cmd == "bench":
+            from hvdp import bench as bench_module
+
+            return bench_module.run(args)
         if args.cmd == "build":
             from hvdp import build
 

@@ -8,6 +8,7 @@ the torch Keras backend are wrapped by :mod:`hvdp.keras` with torch collectives.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
@@ -54,6 +55,40 @@ def _same_kind(result: torch.Tensor, as_numpy: bool) -> Any:
 def _set(process_set: Any) -> Any:
     """Horovod's process set for hvdp's handle (None: the whole job)."""
     return hvd.global_process_set if process_set is None else process_set
+
+
+#: Longest sleep between two polls of an unfinished collective (seconds).
+_POLL_MAX_SLEEP = 0.0005
+
+
+def _wait(handle: Any) -> None:
+    """Block until the collective of ``handle`` is done, sleeping between polls.
+
+    Horovod's own wait (``horovod_torch_wait_and_clear``) spins on ``sched_yield``,
+    which keeps a core busy for the whole allreduce; with one compute thread per
+    rank on a small CPU machine that core is the one Horovod's background thread
+    and Gloo need. Polling with short sleeps (50 us, doubling up to 0.5 ms) frees it.
+    """
+    pause = 0.00005
+    try:
+        while not hvd.poll(handle):
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_SLEEP)
+    except Exception:  # an unknown or failed handle: synchronize() reports it, as Horovod does
+        return
+
+
+def _sleeping_synchronize(optimizer: Any) -> Any:
+    """``optimizer.synchronize`` that first waits for its pending gradient allreduces with :func:`_wait`."""
+    synchronize = optimizer.synchronize
+
+    def wait_then_synchronize() -> Any:
+        for handle, _ in list(optimizer._handles.values()):
+            if handle is not None and not callable(handle):
+                _wait(handle)
+        return synchronize()
+
+    return wait_then_synchronize
 
 
 def _cpu(value: Any) -> Any:
@@ -185,7 +220,7 @@ class Backend:
                 process_set=horovod_set,
             )
             # step() waits for the gradient allreduces in synchronize(): that wait is phase "sync".
-            wrapped.synchronize = profiler.timed(wrapped.synchronize)
+            wrapped.synchronize = profiler.timed(_sleeping_synchronize(wrapped))
             return wrapped
         if hvdp_keras.is_keras_optimizer(optimizer):
             size = self.size() if process_set is None else int(process_set.size())
@@ -246,7 +281,12 @@ class Backend:
 
     def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = _as_tensor(value, "allreduce")
-        return _same_kind(hvd.allreduce(tensor, op=_OPS[op], name=name, process_set=_set(process_set)), as_numpy)
+        if tensor.requires_grad and torch.is_grad_enabled():  # differentiable: Horovod's autograd op
+            return _same_kind(hvd.allreduce(tensor, op=_OPS[op], name=name, process_set=_set(process_set)),
+                              as_numpy)
+        handle = hvd.allreduce_async(tensor, op=_OPS[op], name=name, process_set=_set(process_set))
+        _wait(handle)
+        return _same_kind(hvd.synchronize(handle), as_numpy)
 
     def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = _as_tensor(value, "allgather")

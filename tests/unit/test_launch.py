@@ -37,7 +37,8 @@ def test_defaults_gloo_framework_env_and_thread_split(arity):
     assert argv == ["horovodrun", "-np", "2", "--gloo", sys.executable, SCRIPT, "--epochs", "3"]
     assert env == {"HVDP_FRAMEWORK": "torch", "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "4",
                    "TF_NUM_INTRAOP_THREADS": "4", "TF_NUM_INTEROP_THREADS": "1",
-                   "HOROVOD_STALL_CHECK_TIME_SECONDS": "60", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300"}
+                   "HOROVOD_STALL_CHECK_TIME_SECONDS": "60", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300",
+                   "HOROVOD_CYCLE_TIME": "5"}
 
 
 def test_user_settings_win_over_defaults(arity):
@@ -45,6 +46,19 @@ def test_user_settings_win_over_defaults(arity):
     _, env = build_command(args, {"OMP_NUM_THREADS": "3", "PATH": "/usr/bin:/bin"}, cpu_count=2)
     assert "OMP_NUM_THREADS" not in env and env["TF_NUM_INTRAOP_THREADS"] == "1"
     assert "HVDP_FRAMEWORK" not in env
+
+
+def test_measured_horovod_defaults_are_set_only_for_local_jobs_and_yield_to_the_user(arity):
+    local = build_command(parse_run_args(["-np", "2", "--mpi", "python", "t.py"], arity), {"PATH": "/usr/bin:/bin"},
+                          cpu_count=2)[1]
+    assert local["HOROVOD_CYCLE_TIME"] == "5" and local["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    gloo = build_command(parse_run_args(["-np", "2", "python", "t.py"], arity), {}, cpu_count=2)[1]
+    assert "OMPI_MCA_mpi_yield_when_idle" not in gloo
+    remote = build_command(parse_run_args(["-H", "a:1,b:1", "python", "t.py"], arity), {}, cpu_count=2)[1]
+    assert "HOROVOD_CYCLE_TIME" not in remote
+    mine = build_command(parse_run_args(["-np", "2", "python", "t.py"], arity), {"HOROVOD_CYCLE_TIME": "1"},
+                         cpu_count=2)[1]
+    assert "HOROVOD_CYCLE_TIME" not in mine
 
 
 def test_unknown_flags_pass_through_with_their_values(arity):

@@ -1,0 +1,164 @@
+"""hvdp bench's pure parts: statistics, ratios, bandwidth formulas, the plan, the table, JSON, bad options."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hvdp import bench, cli
+from hvdp.bench import BenchError, Contender, Group, Settings
+
+
+def test_median_ratio_and_bandwidths():
+    assert bench.median([0.3, 0.1, 0.2, 10.0]) == pytest.approx(0.25)
+    assert bench.ratio(0.09, 0.1) == pytest.approx(0.9)
+    assert bench.algbw(64 << 20, 0.1) == pytest.approx((64 << 20) / 0.1)
+    # busbw = algbw * 2 (n - 1) / n: equal to algbw at n=2, 1.5x at n=4, 0 at n=1.
+    assert bench.busbw(1.0e9, 2) == pytest.approx(1.0e9)
+    assert bench.busbw(1.0e9, 4) == pytest.approx(1.5e9)
+    assert bench.busbw(1.0e9, 1) == 0.0
+    assert bench.efficiency(100.0, 180.0) == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("call", [lambda: bench.median([]), lambda: bench.ratio(1.0, 0.0),
+                                  lambda: bench.ratio(math.inf, 1.0), lambda: bench.algbw(4096, 0.0),
+                                  lambda: bench.busbw(1.0, 0), lambda: bench.efficiency(0.0, 1.0)])
+def test_bad_figures_raise(call):
+    with pytest.raises(BenchError):
+        call()
+
+
+def test_sections_and_settings():
+    assert bench.parse_sections(None) == bench.SECTIONS
+    assert bench.parse_sections(" scaling, native ") == ("native", "scaling")
+    with pytest.raises(BenchError, match="'speed'.*overhead, native, allreduce, scaling"):
+        bench.parse_sections("native,speed")
+    with pytest.raises(BenchError, match="--rounds 0 must be at least 1"):
+        bench.make_settings(True, 0, None, None, None)
+    with pytest.raises(BenchError, match="--steps -3"):
+        bench.make_settings(False, None, -3, None, None)
+    with pytest.raises(BenchError, match="--warmup -1"):
+        bench.make_settings(False, None, None, -1, None)
+    quick, full = bench.make_settings(True, None, None, None, None), bench.make_settings(False, 5, None, 0, None)
+    assert quick.mode == "quick" and full.rounds == 5 and full.warmup == 0 and full.steps > quick.steps
+
+
+def test_unwritable_json_path_is_refused(tmp_path):
+    with pytest.raises(BenchError, match="--json '/nonexistent/dir/b.json' cannot be written"):
+        bench.check_writable("/nonexistent/dir/b.json", "--json")
+    with pytest.raises(BenchError, match="cannot be written"):
+        bench.check_writable(str(tmp_path), "--json")
+    bench.check_writable(str(tmp_path / "ok.json"), "--json")
+
+
+def test_cli_reports_bad_options(capsys):
+    assert cli.main(["bench", "--only", "bogus"]) == 2
+    assert "unknown section 'bogus'" in capsys.readouterr().err
+    assert cli.main(["bench", "--rounds", "0"]) == 2
+    assert "--rounds 0 must be at least 1" in capsys.readouterr().err
+
+
+def test_quick_plan_touches_every_section_and_alternates():
+    groups = bench.plan(bench.make_settings(True, None, None, None, None))
+    impls = {c.impl for g in groups for c in g.contenders}
+    assert {"hvdp", "horovod", "ddp", "mwms", "mpi4py", "torchdist"} <= impls
+    assert any(g.name.startswith("scaling") for g in groups) and any(g.name == "allreduce" for g in groups)
+    only = bench.plan(bench.make_settings(True, None, None, None, "native"))
+    assert all({c.impl for c in g.contenders} <= {"hvdp", "ddp", "mwms"} for g in only)
+    full = bench.plan(bench.make_settings(False, None, None, None, None))
+    names = {g.name for g in full}
+    assert {"torch/cnn np=1 mpi", "tensorflow/resnet18 np=2 gloo", "scaling torch/resnet18"} <= names
+
+    order = []
+    settings = Settings(rounds=2)
+
+    def fake(contender, settings_, workdir, environ, cpus):
+        order.append(contender.label)
+        return {"rank": 0, "size": contender.np, "batch": 32, "step_seconds": [0.1]}
+
+    group = Group("g", [Contender("A", "hvdp"), Contender("B", "horovod")])
+    bench.run_groups([group], settings, {}, 2, lambda line: None, runner=fake)
+    assert order == ["A", "B", "A", "B"]
+
+
+def test_job_commands_use_hvdp_launcher_and_identical_knobs(monkeypatch):
+    from hvdp import launch
+
+    monkeypatch.setattr(launch, "horovodrun_path", lambda: "horovodrun")
+    settings = Settings()
+    environ = {"PATH": "/usr/bin:/bin", "HVDP_FRAMEWORK": "tensorflow"}
+    hv, env_hv, _ = bench.job(Contender("h", "hvdp"), settings, "/o.json", environ, 2)
+    same, env_same, _ = bench.job(Contender("s", "horovod", knobs="hvdp"), settings, "/o.json", environ, 2)
+    plain, env_plain, _ = bench.job(Contender("p", "horovod", knobs="threads"), settings, "/o.json", environ, 2)
+    assert hv[0][:4] == ["horovodrun", "-np", "2", "--gloo"] and "--impl" in hv[0]
+    assert same[0][:4] == ["horovodrun", "-np", "2", "--gloo"]
+    hvdp_set = {k: v for k, v in env_hv.items() if k not in environ}
+    assert all(env_same.get(k) == v for k, v in hvdp_set.items())
+    assert env_plain["OMP_NUM_THREADS"] == env_hv["OMP_NUM_THREADS"] == "1"
+    assert not any(k.startswith("HOROVOD_") for k in env_plain)
+    ddp, _, _ = bench.job(Contender("d", "ddp"), settings, "/o.json", environ, 2)
+    assert ddp[0][1:3] == ["-m", "torch.distributed.run"]
+    mw, env_mw, per = bench.job(Contender("m", "mwms", "tensorflow"), settings, "/o.json", environ, 2)
+    assert len(mw) == 2 and [json.loads(p["TF_CONFIG"])["task"]["index"] for p in per] == [0, 1]
+    assert env_mw["KERAS_BACKEND"] == "tensorflow"
+    one, env_one, _ = bench.job(Contender("1", "hvdp", np=1, knobs="one-thread"), settings, "/o.json", environ, 2)
+    assert env_one["OMP_NUM_THREADS"] == "1" and one[0][2] == "1"
+
+
+def _fake_results():
+    settings = Settings(rounds=2)
+    groups = [
+        Group("torch/cnn np=2 gloo", [Contender("hvdp", "hvdp"), Contender("same", "horovod"),
+                                      Contender("plain", "horovod", knobs="threads"), Contender("ddp", "ddp",
+                                                                                                 knobs="threads")]),
+        Group("scaling torch/resnet18", [Contender("n1", "hvdp", np=1, knobs="one-thread", model="resnet18"),
+                                         Contender("n2", "hvdp", np=2, knobs="one-thread", model="resnet18")]),
+        Group("allreduce", [Contender("hvdp.allreduce (gloo)", "hvdp", task="allreduce"),
+                            Contender("mpi4py Allreduce", "mpi4py", task="allreduce")]),
+    ]
+    steps = {"hvdp": 0.09, "same": 0.09, "plain": 0.1, "ddp": 0.095, "n1": 0.1, "n2": 0.105}
+    for group in groups:
+        for c in group.contenders:
+            if c.task == "allreduce":
+                factor = 1.0 if c.impl == "hvdp" else 0.5
+                record = {"size": 2, "seconds": {str(n): [factor * n / 1e9] * 3 for n in bench.SWEEP_BYTES}}
+            else:
+                record = {"size": c.np, "step_seconds": [steps[c.label]] * 5}
+            group.runs[c.label] = [record, record]
+    return bench.summarize(groups, settings)
+
+
+def test_summary_ratios_targets_table_and_json():
+    results = _fake_results()
+    torch_group = results["groups"][0]
+    assert torch_group["ratios"] == pytest.approx({"hvdp/horovod same knobs": 1.0, "hvdp/horovod defaults": 0.9,
+                                                   "hvdp/ddp": 0.09 / 0.095})
+    assert results["scaling"]["efficiency"] == pytest.approx((2 * 32 / 0.105) / (2 * 32 / 0.1))
+    sweep = results["allreduce"]["impls"]
+    assert sweep["hvdp.allreduce (gloo)"]["algbw_GBps"][-1] == pytest.approx(1.0)
+    assert sweep["mpi4py Allreduce"]["busbw_GBps"][-1] == pytest.approx(2.0)
+    status = {t["name"]: (t["status"], t["value"]) for t in results["targets"]}
+    assert status["hvdp/DDP step time, torch/cnn np=2"][0] == "PASS"
+    assert status["hvdp.allreduce algbw at 64 MB / mpi4py"] == ("MISS", pytest.approx(0.5))
+    assert status["scaling efficiency 1->2 processes (resnet18)"][0] == "PASS"
+    assert status["hvdp/MultiWorkerMirrored step time, tensorflow/cnn np=2"] == ("n/a", None)
+    table = bench.format_table(results)
+    assert "ratio hvdp/horovod defaults" in table and "PASS" in table and "MISS" in table and "64 MB" in table
+    assert json.loads(json.dumps(results)) == results
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    bench.plot(_fake_results(), str(path))
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_target_status():
+    assert bench.Target("x", 1.0, "<=", 1.0).status == "PASS"
+    assert bench.Target("x", 1.0, "<", 1.0).status == "MISS"
+    assert bench.Target("x", None, ">=", 0.9).status == "n/a"
+    assert Path(bench.__file__).parent.joinpath("worker.py").exists()
