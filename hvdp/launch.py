@@ -104,6 +104,14 @@ _HOST = re.compile(r"^[\w.-]+$")
 _NIC = re.compile(r"^[\w.:@-]{1,15}$")
 
 
+def _host_slots(item: str) -> Optional[Tuple[str, int]]:
+    """``HOST`` or ``HOST:SLOTS`` as (host, slots), a host without ``:SLOTS`` having one; None if malformed."""
+    name, colon, slots = item.strip().partition(":")
+    if not _HOST.match(name) or (colon and not slots.isdigit()):
+        return None
+    return name, int(slots) if colon else 1
+
+
 def parse_hosts(hosts: str, origin: str = "-H") -> List[Tuple[str, int]]:
     """``host1:2,host2`` as ``[("host1", 2), ("host2", 1)]``: a host without ``:N`` has one slot.
 
@@ -113,11 +121,11 @@ def parse_hosts(hosts: str, origin: str = "-H") -> List[Tuple[str, int]]:
     """
     parsed: List[Tuple[str, int]] = []
     for item in hosts.split(","):
-        name, colon, slots = item.strip().partition(":")
-        if not _HOST.match(name) or (colon and not slots.isdigit()):
+        host = _host_slots(item)
+        if host is None:
             raise LaunchError(f"hvdp run: {origin} {hosts!r}: {item.strip()!r} is not HOST or HOST:SLOTS; "
                               f"write e.g. -H host1:2,host2:2.")
-        count = int(slots) if colon else 1
+        name, count = host
         if count < 1:
             raise LaunchError(f"hvdp run: {origin} {hosts!r}: {name} has {count} slots; give it at least 1.")
         if any(name == seen for seen, _ in parsed):
@@ -449,10 +457,6 @@ def check_elastic_args(elastic: bool, num_proc: Optional[int], min_np: Optional[
     return min_np, max_np
 
 
-#: One line of a host discovery script's output: HOST or HOST:SLOTS.
-_DISCOVERED = re.compile(r"^([\w.-]+)(?::(\d+))?$")
-
-
 def discovery_script_path(path: str) -> Path:
     """The absolute path of the host discovery script; LaunchError if it is missing or not executable.
 
@@ -508,12 +512,12 @@ def check_discovery_script(path: str, timeout_s: float = 30.0) -> List[Tuple[str
         line = raw.strip()
         if not line:
             continue
-        match = _DISCOVERED.match(line)
-        if match is None:
+        host = _host_slots(line)
+        if host is None:
             raise LaunchError(f"hvdp run: --host-discovery-script {path!r} printed {raw!r} on line {number}, "
                               f"which is not HOST or HOST:SLOTS (e.g. node1:2). Make it print only host lines "
                               f"(send anything else to stderr).")
-        found.append((match.group(1), int(match.group(2) or 1)))
+        found.append(host)
     return found
 
 

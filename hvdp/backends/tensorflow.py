@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from hvdp import keras as hvdp_keras
 from hvdp import profiler
+from hvdp.backends._horovod import HorovodJob
 from hvdp.backends.base import reduction_plan
 
 _OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
@@ -87,50 +88,11 @@ def _timed_in_graph(reduce: Any) -> Any:
     return timed
 
 
-class Backend:
+class Backend(HorovodJob):
     """hvdp's contract (:class:`hvdp.backends.base.Backend`) on TensorFlow/Keras 3."""
 
+    _hvd = hvd
     name = "tensorflow"
-
-    def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
-        handles = [hvd.ProcessSet(ranks) for ranks in process_sets]
-        hvd.init(comm=comm, process_sets=handles or ("dynamic" if dynamic else None))
-        return handles
-
-    def add_process_set(self, ranks: List[int]) -> Any:
-        try:
-            return hvd.add_process_set(ranks)
-        except ValueError as exc:
-            if "duplicate" in str(exc):
-                return None
-            raise
-
-    def shutdown(self) -> None:
-        hvd.shutdown()
-
-    def is_initialized(self) -> bool:
-        return bool(hvd.is_initialized())
-
-    def rank(self) -> int:
-        return int(hvd.rank())
-
-    def size(self) -> int:
-        return int(hvd.size())
-
-    def local_rank(self) -> int:
-        return int(hvd.local_rank())
-
-    def local_size(self) -> int:
-        return int(hvd.local_size())
-
-    def cross_rank(self) -> int:
-        return int(hvd.cross_rank())
-
-    def cross_size(self) -> int:
-        return int(hvd.cross_size())
-
-    def controller(self) -> str:
-        return "mpi" if hvd.mpi_enabled() else "gloo"
 
     def distributed_optimizer(
         self,

@@ -18,6 +18,7 @@ hvdp.init()
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _report
+from _parts import keras_parts, torch_parts
 from _report import digest
 
 STEPS, SAVE_EVERY, CRASH_AT, BATCH = 10, 5, 7, 16
@@ -28,49 +29,14 @@ def batch(step: int, rank: int) -> tuple:
     return data.normal(size=(BATCH, 8)).astype(np.float32), data.integers(0, 3, size=BATCH)
 
 
-def torch_parts(width: int = 16) -> tuple:
-    import torch
-
-    torch.manual_seed(hvdp.rank())  # different until broadcast or load
-    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
-    optimizer = hvdp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
-
-    def step(x: np.ndarray, y: np.ndarray) -> None:
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
-        optimizer.step()
-
-    def flat() -> np.ndarray:
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-
-    return model, optimizer, step, flat
-
-
-def keras_parts(width: int = 16) -> tuple:
-    import keras
-
-    keras.utils.set_random_seed(hvdp.rank())
-    model = keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(width, activation="tanh"),
-                              keras.layers.Dense(3)])
-    optimizer = hvdp.DistributedOptimizer(keras.optimizers.Adam(0.01))
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-
-    def step(x: np.ndarray, y: np.ndarray) -> None:
-        model.train_on_batch(x, y)
-
-    def flat() -> np.ndarray:
-        return np.concatenate([np.asarray(v).reshape(-1) for v in model.trainable_variables])
-
-    return model, optimizer, step, flat
-
-
+#: The seed differs per rank, so the replicas differ until a broadcast or a load.
 PARTS = {"torch": torch_parts, "tensorflow": keras_parts}
 
 
 def main() -> None:
     mode, folder = sys.argv[1], os.environ["HVDP_TEST_OUT"]
     rank = hvdp.rank()
-    model, optimizer, step, flat = PARTS[hvdp.framework()]()
+    model, optimizer, step, flat = PARTS[hvdp.framework()](hvdp.rank())
     record: dict = {"rank": rank, "mode": mode}
     first = 0
     if mode == "resume":
@@ -104,7 +70,7 @@ def bad_checkpoints(folder: str, model: object, optimizer: object) -> dict:
         data = open(good, "rb").read()
         open(os.path.join(folder, "truncated.npz"), "wb").write(data[: len(data) // 3])
     hvdp.barrier()
-    other = PARTS[hvdp.framework()](width=32)
+    other = PARTS[hvdp.framework()](hvdp.rank(), width=32)
     cases = {"missing": (os.path.join(folder, "nope.npz"), model, optimizer),
              "truncated": (os.path.join(folder, "truncated.npz"), model, optimizer),
              "architecture": (good, other[0], other[1])}

@@ -48,7 +48,7 @@ def optimizer_digest(optimizer: object) -> str:
 
 
 rank = hvdp.rank()
-model, optimizer, step, flat = PARTS[hvdp.framework()]()  # parameters seeded by rank: they differ
+model, optimizer, step, flat = PARTS[hvdp.framework()](rank)  # parameters seeded by rank: they differ
 step(*batch(0, rank))  # and so does the optimizer state
 before = digest(flat())
 state = hvdp.elastic.State(model, optimizer, epoch=rank * 10, note=f"from rank {rank}", history=[rank])

@@ -32,6 +32,7 @@ hvdp.init()
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _report
+from _parts import keras_parts, torch_parts
 from _report import digest
 
 EPOCHS, BATCHES, COMMIT_EVERY, BATCH = 4, 8, 2, 16
@@ -47,42 +48,6 @@ def batch(epoch: int, number: int, rank: int) -> tuple:
     return data.normal(size=(BATCH, 8)).astype(np.float32), data.integers(0, 3, size=BATCH)
 
 
-def torch_parts() -> tuple:
-    import torch
-
-    torch.manual_seed(os.getpid())  # different on every worker until the state is synced
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    optimizer = hvdp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
-
-    def step(x: np.ndarray, y: np.ndarray) -> None:
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
-        optimizer.step()
-
-    def flat() -> np.ndarray:
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-
-    return model, optimizer, step, flat
-
-
-def keras_parts() -> tuple:
-    import keras
-
-    keras.utils.set_random_seed(os.getpid() % 2**31)
-    model = keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(16, activation="tanh"),
-                              keras.layers.Dense(3)])
-    optimizer = hvdp.DistributedOptimizer(keras.optimizers.Adam(0.01))
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-
-    def step(x: np.ndarray, y: np.ndarray) -> None:
-        model.train_on_batch(x, y)
-
-    def flat() -> np.ndarray:
-        return np.concatenate([np.asarray(v).reshape(-1) for v in model.trainable_variables])
-
-    return model, optimizer, step, flat
-
-
 PARTS = {"torch": torch_parts, "keras": keras_parts}
 
 
@@ -94,7 +59,8 @@ def write_hosts(lines: list) -> None:
 
 
 def main() -> None:
-    model, optimizer, step, flat = PARTS[sys.argv[1]]()
+    # Seeded by the process id: different on every worker until the state is synced.
+    model, optimizer, step, flat = PARTS[sys.argv[1]](os.getpid())
     commits: list = []
     sizes: list = []
     events: list = []
