@@ -121,6 +121,11 @@ class Cluster:
     def hosts(self) -> List[Host]:
         return [self.launcher, *self.workers]
 
+    @property
+    def sshd_pids(self) -> Dict[str, int]:
+        """Worker name -> process id of its listening sshd."""
+        return {name: proc.pid for name, proc in self._sshd.items()}
+
     # -- set-up -------------------------------------------------------------------------------
     def start(self) -> "Cluster":
         missing = [tool for tool in ("ip", "ssh", "ssh-keygen", SSHD) if not shutil.which(tool)]

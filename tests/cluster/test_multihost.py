@@ -89,26 +89,6 @@ def test_example_trains_across_two_hosts_over_ssh(cluster, controller, framework
     assert accuracy >= 0.95, job.stdout[-3000:]
 
 
-def test_slurm_batch_script_takes_hosts_and_slots_from_the_allocation(cluster, tmp_path):
-    """docker/slurm/hvdp.sbatch in a (simulated) 2-node allocation: no -H, no -np, a real run."""
-    assert [w.address for w in cluster.workers] == ["10.77.0.2", "10.77.0.3"]
-    allocation = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "10.77.0.[2-3]",
-                  "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_CPUS_PER_TASK": "1", "SLURM_SUBMIT_DIR": str(REPO),
-                  "HVDP": str(Path(sys.executable).parent / "hvdp"), **job_env(tmp_path),
-                  # unset, so that the threads come from SLURM_CPUS_PER_TASK
-                  "OMP_NUM_THREADS": None, "TF_NUM_INTRAOP_THREADS": None, "TF_NUM_INTEROP_THREADS": None}
-    job = cluster.run(cluster.launcher, [
-        "bash", str(REPO / "docker" / "slurm" / "hvdp.sbatch"), "--ssh-port", str(SSH_PORT),
-        "--ssh-identity-file", str(cluster.key), "--network-interface", "eth0", "--disable-cache",
-        "--start-timeout", "120"], timeout=JOB_TIMEOUT_S, env=allocation, cwd=tmp_path)
-    assert job.returncode == 0, f"hvdp.sbatch exited {job.returncode}:\n{job.stdout[-8000:]}"
-    # The dry run the script prints first: hosts, slots, -np and threads from the allocation.
-    assert f"-np 2 --gloo -H 10.77.0.2:1,10.77.0.3:1 --ssh-port {SSH_PORT}" in job.stdout
-    assert {"OMP_NUM_THREADS=1", "TF_NUM_INTRAOP_THREADS=1", "TF_NUM_INTEROP_THREADS=1"} <= set(job.stdout.splitlines())
-    found = re.findall(r"test accuracy: ([0-9.]+) \(\d+/360, torch, 2 processes", job.stdout)
-    assert len(found) == 1 and float(found[0]) >= 0.95, job.stdout[-4000:]
-
-
 def test_cluster_is_removed_even_when_the_body_fails(tmp_path):
     """The clean-up path of every test above: processes, namespaces and links go, on error too."""
     cluster = Cluster(tmp_path, tag="c", subnet="10.77.1")  # beside the module's cluster

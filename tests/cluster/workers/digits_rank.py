@@ -40,5 +40,6 @@ report = {
     "ssh_connection": os.environ.get("SSH_CONNECTION"),
     "horovod_controller": os.environ.get("HOROVOD_CONTROLLER"),
     "ompi_world_size": os.environ.get("OMPI_COMM_WORLD_SIZE"),
+    "slurm_step_id": os.environ.get("SLURM_STEP_ID"),  # under a Slurm job step (srun), which one
 }
 Path(os.environ["HVDP_TEST_OUT"], f"rank{seen['rank']}.json").write_text(json.dumps(report))
