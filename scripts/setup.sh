@@ -7,13 +7,15 @@ cd "$(dirname "$0")/.."
 log() { printf '[setup] %s\n' "$*"; }
 
 # 1. Debian packages: Open MPI (runtime and headers), cmake, a C++ compiler; for the multi-host
-#    test (tests/cluster/), sshd and ssh, and ip for network namespaces.
+#    and Slurm tests (tests/cluster/), sshd and ssh, ip for network namespaces, Slurm and munge.
 need=()
 { command -v mpirun && command -v mpicxx; } >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 { [ -x /usr/sbin/sshd ] && command -v ssh && command -v ssh-keygen; } >/dev/null 2>&1 || need+=(openssh-server openssh-client)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+{ [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && command -v sbatch; } >/dev/null 2>&1 || need+=(slurm-wlm)
+{ [ -x /usr/sbin/munged ] && [ -x /usr/sbin/mungekey ]; } >/dev/null 2>&1 || need+=(munge)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
