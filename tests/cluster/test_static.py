@@ -5,7 +5,9 @@
 - Compose: the docker-compose binary's own validation (`config -q`), alone and with the GPU file,
   and the resolved model: who runs what, on which network, with which key and GPUs.
 - Kubernetes: the MPIJob's pod templates validated as PodTemplates (kubernetes-validate, strict);
-  the MPIJob's own fields against the v2beta1 field names.
+  the MPIJob's own fields against the v2beta1 field names; what a platform operator needs:
+  requests and limits on every container, slotsPerWorker x threads within a worker's CPU limit,
+  a cleanPodPolicy that ends the workers, and the ssh auth mount path where ssh and sshd look.
 - Every shell script (and the compose file's inline one): ShellCheck, no finding.
 - The hvdp run command lines in these files parse with hvdp's own parser.
 Each tool is also shown a broken file, so a check that silently passes everything would fail.
@@ -215,7 +217,130 @@ def test_mpijob_uses_v2beta1_fields_and_runs_hvdp_on_the_operator_hostfile():
     assert args.hostfile == "/etc/mpi/hostfile" and args.num_proc is None  # -np: the hostfile's slots
     assert (REPO / args.command[0]).exists()
     (worker,) = replicas["Worker"]["template"]["spec"]["containers"]
-    assert worker["command"] == ["/usr/sbin/sshd", "-D", "-e"] and spec["sshAuthMountPath"] == "/root/.ssh"
+    assert worker["command"] == ["/usr/sbin/sshd", "-D", "-e"]
+
+
+#: Kubernetes quantity suffixes (resource.Quantity): decimal SI, binary SI, and milli.
+QUANTITY_SUFFIX = {"": 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+                   "Ki": 2.0 ** 10, "Mi": 2.0 ** 20, "Gi": 2.0 ** 30, "Ti": 2.0 ** 40, "Pi": 2.0 ** 50, "Ei": 2.0 ** 60}
+CLEAN_POD_POLICIES = {"None", "Running", "All"}
+
+
+def quantity(value) -> float:
+    """A Kubernetes quantity (``500m``, ``2``, ``4Gi``) as a number; ValueError if it is not one."""
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([a-zA-Z]*)", str(value))
+    if not match or match.group(2) not in QUANTITY_SUFFIX:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity such as 500m, 2 or 4Gi")
+    return float(match.group(1)) * QUANTITY_SUFFIX[match.group(2)]
+
+
+def mpijob_problems(job: dict) -> list:
+    """What a platform operator would reject in an MPIJob: one line per problem, [] if none.
+
+    Every container requests and limits CPU and memory, each request within its limit; slotsPerWorker
+    is a positive count; each worker's CPU limit holds its slots' threads (OMP_NUM_THREADS, set on
+    the launcher, whose environment the ranks get over ssh); cleanPodPolicy is one the operator knows
+    and ends the workers (whose sshd never exits) when the launcher is done.
+    """
+    problems = []
+    spec = job["spec"]
+    slots = spec.get("slotsPerWorker")
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        problems.append(f"slotsPerWorker {slots!r} is not a positive integer")
+        slots = 1
+    policy = spec.get("runPolicy", {}).get("cleanPodPolicy")
+    if policy not in CLEAN_POD_POLICIES:
+        problems.append(f"runPolicy.cleanPodPolicy {policy!r} is not one of {sorted(CLEAN_POD_POLICIES)}")
+    elif policy == "None":
+        problems.append("runPolicy.cleanPodPolicy None leaves the workers' sshd running after the job")
+    limits = {}
+    for role, replica in spec["mpiReplicaSpecs"].items():
+        for container in replica["template"]["spec"]["containers"]:
+            where = f"{role}/{container['name']}"
+            resources = container.get("resources", {})
+            for resource in ("cpu", "memory"):
+                request = resources.get("requests", {}).get(resource)
+                limit = resources.get("limits", {}).get(resource)
+                if request is None or limit is None:
+                    problems.append(f"{where}: no {resource} {'request' if request is None else 'limit'}")
+                    continue
+                try:
+                    if quantity(request) > quantity(limit):
+                        problems.append(f"{where}: {resource} request {request} is above its limit {limit}")
+                except ValueError as error:
+                    problems.append(f"{where}: {resource}: {error}")
+                    continue
+                limits[(role, resource)] = quantity(limit)
+    (launcher,) = spec["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"]
+    threads = {e["name"]: e.get("value") for e in launcher.get("env", [])}.get("OMP_NUM_THREADS")
+    if threads is None or not str(threads).isdigit() or int(threads) < 1:
+        problems.append(f"Launcher: OMP_NUM_THREADS {threads!r} is not set to a positive count; "
+                        "ranks would each use every core of their worker")
+    elif ("Worker", "cpu") in limits and slots * int(threads) > limits[("Worker", "cpu")]:
+        problems.append(f"Worker: {slots} slots x OMP_NUM_THREADS {threads} threads exceed its CPU limit "
+                        f"{limits[('Worker', 'cpu')]:g}")
+    return problems
+
+
+def test_quantities_are_read_as_kubernetes_reads_them():
+    assert [quantity(q) for q in ("500m", "2", 2, "1.5", "4Gi", "1k")] == [0.5, 2, 2, 1.5, 4 * 2 ** 30, 1000]
+    for bad in ("2 cores", "1GB", "-1", "", "m"):
+        with pytest.raises(ValueError, match="not a Kubernetes quantity"):
+            quantity(bad)
+
+
+def test_mpijob_has_what_a_platform_operator_needs():
+    job = yaml.safe_load(MPIJOB.read_text())
+    assert mpijob_problems(job) == []
+    spec = job["spec"]
+    assert spec["runPolicy"]["cleanPodPolicy"] == "Running"
+    assert spec["runPolicy"]["activeDeadlineSeconds"] > 0 and spec["runPolicy"]["ttlSecondsAfterFinished"] > 0
+    for role in ("Launcher", "Worker"):
+        (container,) = spec["mpiReplicaSpecs"][role]["template"]["spec"]["containers"]
+        assert set(container["resources"]) == {"requests", "limits"}, role
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda s: s.update(slotsPerWorker=0), "slotsPerWorker 0 is not a positive integer"),
+    (lambda s: s["runPolicy"].update(cleanPodPolicy="Finished"), "cleanPodPolicy 'Finished' is not one of"),
+    (lambda s: s["runPolicy"].update(cleanPodPolicy="None"), "leaves the workers' sshd running"),
+    (lambda s: worker(s)["resources"]["requests"].update(memory="8Gi"), "memory request 8Gi is above its limit"),
+    (lambda s: worker(s)["resources"]["limits"].pop("cpu"), "Worker/worker: no cpu limit"),
+    (lambda s: worker(s)["resources"]["limits"].update(cpu="2 cores"), "'2 cores' is not a Kubernetes quantity"),
+    (lambda s: s.update(slotsPerWorker=2), "2 slots x OMP_NUM_THREADS 2 threads exceed its CPU limit 2"),
+    (lambda s: launcher(s).pop("env"), "OMP_NUM_THREADS None is not set"),
+], ids=["slots", "policy", "policy-none", "request", "no-limit", "quantity", "threads", "no-threads"])
+def test_mpijob_checks_find_each_problem(change, problem):
+    job = yaml.safe_load(MPIJOB.read_text())
+    change(job["spec"])
+    found = mpijob_problems(job)
+    assert len(found) == 1 and problem in found[0], found
+
+
+def worker(spec: dict) -> dict:
+    return spec["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+
+
+def launcher(spec: dict) -> dict:
+    return spec["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+
+
+def test_ssh_auth_mount_path_is_where_the_image_user_ssh_and_sshd_look():
+    """The operator mounts its key pair (id_rsa, id_rsa.pub, authorized_keys) at sshAuthMountPath:
+    it must be ~/.ssh of the user the image runs as, where the launcher's ssh finds id_rsa (no -i)
+    and the workers' sshd reads authorized_keys (AuthorizedKeysFile .ssh/authorized_keys)."""
+    job = yaml.safe_load(MPIJOB.read_text())
+    dockerfile = (REPO / "docker/cpu/Dockerfile").read_text()
+    users = re.findall(r"^USER\s+(\S+)", dockerfile, flags=re.M)
+    home = "/root" if users in ([], ["root"]) else f"/home/{users[-1]}"
+    assert job["spec"]["sshAuthMountPath"] == f"{home}/.ssh"
+    assert re.search(r"AuthorizedKeysFile \.ssh/authorized_keys\b", dockerfile)
+    assert home != "/root" or "PermitRootLogin prohibit-password" in dockerfile
+    args = parse_run_args(launcher(job["spec"])["command"][2:], arity={})
+    assert args.ssh_identity_file in (None, f"{home}/.ssh/id_rsa")
+    for role, replica in job["spec"]["mpiReplicaSpecs"].items():  # the operator mounts it; a second
+        for container in replica["template"]["spec"]["containers"]:  # volume there would hide its keys
+            assert f"{home}/.ssh" not in [m["mountPath"] for m in container.get("volumeMounts", [])], role
 
 
 # -- Shell scripts ------------------------------------------------------------------------------
