@@ -57,8 +57,8 @@ class Backend(Protocol):
     def add_process_set(self, ranks: List[int]) -> Any:
         """Register a process set while running; its handle, or None if one with these ranks exists."""
 
-    def shutdown(self) -> None:
-        """Shut Horovod down."""
+    def shutdown(self, join: bool = True) -> None:
+        """Shut Horovod down; with ``join``, first wait until every rank is done with its collectives."""
 
     def is_initialized(self) -> bool:
         """True between ``init()`` and ``shutdown()``."""
@@ -109,8 +109,8 @@ class Backend(Protocol):
     def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
         """``root_rank``'s tensor or array, on every rank."""
 
-    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any) -> Any:
-        """``root_rank``'s picklable object, on every rank."""
+    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, name: Optional[str] = None) -> Any:
+        """``root_rank``'s picklable object, on every rank, whatever the others pass (None, other types)."""
 
     def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
         """Every rank's picklable object, in rank order."""

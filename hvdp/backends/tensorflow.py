@@ -164,11 +164,13 @@ class Backend(HorovodJob):
         tensor, as_numpy = _as_tensor(value, "broadcast")
         return _same_kind(hvd.broadcast(tensor, root_rank, name=name, process_set=_set(process_set)), as_numpy)
 
-    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any) -> Any:
-        return hvd.broadcast_object(obj, root_rank=root_rank, process_set=_set(process_set))
+    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, name: Optional[str] = None) -> Any:
+        # Named: Horovod names it after type(obj), which differs between ranks (None off the root).
+        return hvd.broadcast_object(obj, root_rank=root_rank, name=name or "hvdp.broadcast_object",
+                                    process_set=_set(process_set))
 
     def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
-        return list(hvd.allgather_object(obj, process_set=_set(process_set)))
+        return list(hvd.allgather_object(obj, name="hvdp.allgather_object", process_set=_set(process_set)))
 
     def barrier(self, process_set: Any) -> None:
         # horovod.tensorflow 0.28 has no barrier op; a one-element allreduce is one.

@@ -92,15 +92,89 @@ def _sleeping_synchronize(optimizer: Any) -> Any:
     return wait_then_synchronize
 
 
-def _cpu(value: Any) -> Any:
-    """``value`` with every tensor inside moved to the CPU (to pickle optimizer state)."""
-    if torch.is_tensor(value):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: _cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu(item) for item in value)
-    return value
+#: dtypes that travel through Horovod's broadcast; optimizer state of any other dtype is pickled.
+_BROADCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                     torch.int32, torch.int64)
+
+
+class _Slot:
+    """Where a tensor stood in an optimizer's state_dict, and what it was (sent apart from the pickle)."""
+
+    def __init__(self, index: int, shape: Tuple[int, ...], dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+
+def _take_tensors(tree: Any, tensors: List[torch.Tensor]) -> Any:
+    """``tree`` with each broadcastable tensor replaced by a :class:`_Slot`; the tensors go to ``tensors``."""
+    if torch.is_tensor(tree):
+        if tree.dtype not in _BROADCAST_DTYPES or tree.numel() == 0:
+            return tree.detach().cpu()
+        tensors.append(tree.detach().cpu().contiguous().view(-1))
+        return _Slot(len(tensors) - 1, tuple(tree.shape), tree.dtype)
+    if isinstance(tree, dict):
+        return {key: _take_tensors(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_take_tensors(value, tensors) for value in tree)
+    return tree
+
+
+def _put_tensors(tree: Any, tensors: List[torch.Tensor]) -> Any:
+    """The inverse of :func:`_take_tensors`."""
+    if isinstance(tree, _Slot):
+        return tensors[tree.index].view(tree.shape)
+    if isinstance(tree, dict):
+        return {key: _put_tensors(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_put_tensors(value, tensors) for value in tree)
+    return tree
+
+
+def _slots(tree: Any) -> List[_Slot]:
+    if isinstance(tree, _Slot):
+        return [tree]
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    return [slot for value in values for slot in _slots(value)]
+
+
+def load_state_keeping_objects(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state_dict)``, keeping the optimizer's ``state`` and param-group objects.
+
+    torch's ``load_state_dict`` replaces them with new ones; a learning-rate scheduler
+    (or the original optimizer a :func:`hvdp.DistributedOptimizer` shares them with)
+    holds the old ones and would stop driving this optimizer.
+    """
+    groups, state = optimizer.param_groups, optimizer.state
+    optimizer.load_state_dict(state_dict)
+    for old, new in zip(groups, optimizer.param_groups):
+        if old is not new:
+            old.clear()
+            old.update(new)
+    loaded = optimizer.state
+    if loaded is not state:
+        state.clear()
+        state.update(loaded)
+    optimizer.param_groups, optimizer.state = groups, state
+
+
+def _share_state(wrapped: torch.optim.Optimizer, original: torch.optim.Optimizer) -> None:
+    """Make Horovod's new optimizer object share everything the user's optimizer holds.
+
+    Horovod builds its DistributedOptimizer as a new object from the param groups
+    alone: without this, state the optimizer already had (steps taken, or loaded to
+    resume) is dropped, and ``defaults`` are the class's rather than the user's.
+    Sharing the state and the group dicts (not copying them) also keeps a learning-rate
+    scheduler created on the original driving the wrapper.
+    """
+    wrapped.param_groups, wrapped.state, wrapped.defaults = original.param_groups, original.state, original.defaults
+    if hasattr(original.step, "_wrapped_by_lr_sched"):
+        # A scheduler bound to the original counts the original's steps: count the wrapper's for it.
+        step = wrapped.step
+
+        def step_counted(*args: Any, **kwargs: Any) -> Any:
+            original._opt_called = True  # type: ignore[attr-defined]
+            return step(*args, **kwargs)
+
+        wrapped.step = step_counted  # type: ignore[method-assign]
 
 
 class SyncBatchNorm(hvd.SyncBatchNorm):
@@ -181,6 +255,7 @@ class Backend(HorovodJob):
                 gradient_predivide_factor=gradient_predivide_factor,
                 process_set=horovod_set,
             )
+            _share_state(wrapped, optimizer)
             # step() waits for the gradient allreduces in synchronize(): that wait is phase "sync".
             wrapped.synchronize = profiler.timed(_sleeping_synchronize(wrapped))
             return wrapped
@@ -224,22 +299,34 @@ class Backend(HorovodJob):
                 f"optimizer must be a torch.optim.Optimizer for a torch module, got "
                 f"{type(optimizer).__name__}."
             )
-        if process_set is None:
-            hvd.broadcast_parameters(model.state_dict(), root_rank=root_rank)
-            if optimizer is not None:
-                hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank)
-            return
-        # Horovod 0.28.1's broadcast_parameters/broadcast_optimizer_state take no process set.
         handles = [hvd.broadcast_async_(tensor, root_rank, name=f"hvdp.state.{name}", process_set=horovod_set)
                    for name, tensor in sorted(model.state_dict().items())]
         for handle in handles:
             hvd.synchronize(handle)
         if optimizer is not None:
-            is_root = self.rank() == root_rank
-            state = hvd.broadcast_object(_cpu(optimizer.state_dict()) if is_root else None, root_rank,
-                                         name="hvdp.optimizer_state", process_set=horovod_set)
-            if not is_root:
-                optimizer.load_state_dict(state)
+            self._broadcast_optimizer_state(optimizer, root_rank, horovod_set)
+
+    def _broadcast_optimizer_state(self, optimizer: torch.optim.Optimizer, root_rank: int, horovod_set: Any) -> None:
+        """Give every rank ``root_rank``'s optimizer state: hyperparameters, step counters, moments.
+
+        Unlike Horovod's broadcast_optimizer_state, it never steps the optimizer to create
+        missing state (which advanced Adam's step counter on every rank): an optimizer
+        without state yet stays without it, on every rank. The structure travels pickled,
+        the tensors by Horovod's broadcast; the root's optimizer is left untouched.
+        """
+        is_root = self.rank() == root_rank
+        tensors: List[torch.Tensor] = []
+        skeleton = _take_tensors(optimizer.state_dict(), tensors) if is_root else None
+        skeleton = self.broadcast_object(skeleton, root_rank, horovod_set, name="hvdp.optimizer_state")
+        if not is_root:
+            tensors = [torch.empty(int(np.prod(slot.shape)), dtype=slot.dtype)
+                       for slot in sorted(_slots(skeleton), key=lambda slot: slot.index)]
+        handles = [hvd.broadcast_async_(tensor, root_rank, name=f"hvdp.optimizer_state.{i}", process_set=horovod_set)
+                   for i, tensor in enumerate(tensors)]
+        for handle in handles:
+            hvd.synchronize(handle)
+        if not is_root:
+            load_state_keeping_objects(optimizer, _put_tensors(skeleton, tensors))
 
     def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = _as_tensor(value, "allreduce")
@@ -258,8 +345,10 @@ class Backend(HorovodJob):
         tensor, as_numpy = _as_tensor(value, "broadcast")
         return _same_kind(hvd.broadcast(tensor, root_rank, name=name, process_set=_set(process_set)), as_numpy)
 
-    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any) -> Any:
-        return hvd.broadcast_object(obj, root_rank=root_rank, process_set=_set(process_set))
+    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, name: Optional[str] = None) -> Any:
+        # Named: Horovod names it after type(obj), which differs between ranks (None off the root) and hangs.
+        return hvd.broadcast_object(obj, root_rank=root_rank, name=name or "hvdp.broadcast_object",
+                                    process_set=_set(process_set))
 
     def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
         # Horovod 0.28.1's torch allgather_object takes no process set: the same steps, with one.
@@ -295,7 +384,7 @@ class Backend(HorovodJob):
             return
         model.load_state_dict({name: torch.from_numpy(np.array(array)) for name, array in arrays.items()})
         if optimizer is not None and optimizer_state is not None:
-            optimizer.load_state_dict(_map_tensors(optimizer_state, to_numpy=False))
+            load_state_keeping_objects(optimizer, _map_tensors(optimizer_state, to_numpy=False))
 
     def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:
         # Restoring the optimizer (load_state_dict) also drops the gradient allreduces

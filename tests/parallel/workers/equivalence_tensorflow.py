@@ -33,8 +33,8 @@ OPTIONS = {
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def make_model(kind: str) -> keras.Model:
-    keras.utils.set_random_seed(0)
+def make_model(kind: str, seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
     if kind == "mlp":
         layers = [keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(CLASSES)]
     else:
@@ -62,9 +62,10 @@ def flat(model: keras.Model) -> np.ndarray:
 
 
 def distributed_run(kind: str, opt_name: str, option: str, data: list, rank: int) -> np.ndarray:
-    model = make_model(kind)
+    model = make_model(kind, seed=rank)  # different weights on every rank until broadcast_state: rank 0's
     if option == "tape":
         opt = make_optimizer(opt_name)
+        hvdp.broadcast_state(model, opt)
 
         @tf.function
         def step(x: tf.Tensor, y: tf.Tensor) -> None:
@@ -78,6 +79,7 @@ def distributed_run(kind: str, opt_name: str, option: str, data: list, rank: int
         return flat(model)
     opt = hvdp.DistributedOptimizer(make_optimizer(opt_name), **OPTIONS[option])
     model.compile(optimizer=opt, loss=LOSS)
+    hvdp.broadcast_state(model, opt)
     x = np.concatenate([batch[rank][0] for batch in data])
     y = np.concatenate([batch[rank][1] for batch in data])
     per_rank = len(data[0][rank][0])

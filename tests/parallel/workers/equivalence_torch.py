@@ -31,8 +31,8 @@ OPTIONS = {
 }
 
 
-def make_model(kind: str) -> torch.nn.Module:
-    torch.manual_seed(0)
+def make_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     if kind == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, CLASSES))
     return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 4, 4)), torch.nn.Conv2d(1, 6, 3, padding=1),
@@ -64,8 +64,9 @@ def flat(model: torch.nn.Module) -> np.ndarray:
 
 
 def distributed_run(kind: str, opt_name: str, option: str, data: list, rank: int) -> np.ndarray:
-    model = make_model(kind)
+    model = make_model(kind, seed=rank)  # different weights on every rank until broadcast_state: rank 0's
     opt = hvdp.DistributedOptimizer(make_optimizer(opt_name, model), model, **OPTIONS[option])
+    hvdp.broadcast_state(model, opt)
     for step in data:
         x, y = step[rank]
         opt.zero_grad()
