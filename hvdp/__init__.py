@@ -162,7 +162,12 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Shut Horovod down. :func:`init` may be called again afterwards."""
+    """Shut Horovod down once every rank has called it; :func:`init` may be called again afterwards.
+
+    Ranks that get here first wait for the others (which may still be training in
+    another process set) without taking part in any collective. The same happens at
+    interpreter exit, unless this rank dies of an uncaught exception.
+    """
     _framework.deactivate()
 
 
@@ -476,7 +481,7 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, **extras: Any)
             _checkpoint.write(path, backend.name, arrays, optimizer_state, extras)
         except Exception as exc:  # every rank must learn of it, or the others would wait forever
             failure = f"{type(exc).__name__}: {exc}"
-    failure = backend.broadcast_object(failure, 0, None)
+    failure = backend.broadcast_object(failure, 0, None, name="hvdp.checkpoint.save")
     if failure:
         raise CheckpointError(f"saving checkpoint {path} failed on rank 0: {failure}")
 
@@ -506,7 +511,7 @@ def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> dict:
             outcome = ("error", str(exc))
         except Exception as exc:  # every rank must learn of it, or the others would wait forever
             outcome = ("error", f"loading checkpoint {path} failed on rank 0: {type(exc).__name__}: {exc}")
-    status, payload = backend.broadcast_object(outcome, 0, None)
+    status, payload = backend.broadcast_object(outcome, 0, None, name="hvdp.checkpoint.load")
     if status != "ok":
         raise CheckpointError(payload)
     backend.broadcast_state(model, optimizer, 0, None)

@@ -9,6 +9,7 @@ framework names.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import os
@@ -184,7 +185,20 @@ def activate(
         _backend = load_backend(name)
     handles = _backend.init(comm, [list(ranks) for ranks in process_sets], dynamic)
     _generation += 1
+    global _exit_registered
+    if not _exit_registered:  # after Horovod's own exit handler, so that it runs before it
+        atexit.register(_at_exit)
+        _exit_registered = True
     return handles
+
+
+_exit_registered = False
+
+
+def _at_exit() -> None:
+    """At interpreter exit: shut down, waiting for every rank unless this one dies of an exception."""
+    failed = getattr(sys, "last_value", None) is not None
+    deactivate(join=not failed)
 
 
 def generation() -> int:
@@ -207,9 +221,9 @@ def chosen() -> Optional[str]:
     return None if _backend is None else _backend.name
 
 
-def deactivate() -> None:
-    """Shut Horovod down; the backend stays loaded so init() can run again."""
+def deactivate(join: bool = True) -> None:
+    """Shut Horovod down (with ``join``: once every rank gets here); the backend stays loaded for init()."""
     global _generation
     if _backend is not None and _backend.is_initialized():
-        _backend.shutdown()
+        _backend.shutdown(join)
         _generation += 1

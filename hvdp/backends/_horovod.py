@@ -6,6 +6,7 @@ everything framework-specific stays in the backend's own file.
 
 from __future__ import annotations
 
+import os
 from typing import Any, List
 
 
@@ -27,7 +28,17 @@ class HorovodJob:
                 return None
             raise
 
-    def shutdown(self) -> None:
+    def shutdown(self, join: bool = True) -> None:
+        # Horovod's shutdown on one rank ends the job's collectives on every rank, so a rank
+        # that finishes first (a process set with less work) would break the others' next
+        # collective. join() waits, taking part in no collective and never tripping the stall
+        # inspector, until every rank has joined. Elastic jobs end through Horovod's driver.
+        if join and self._hvd.is_initialized() and self._hvd.size() > 1 \
+                and os.environ.get("HOROVOD_ELASTIC") != "1":
+            try:
+                self._hvd.join()
+            except Exception:  # the job is ending abnormally (a rank died): shut down regardless
+                pass
         self._hvd.shutdown()
 
     def is_initialized(self) -> bool:

@@ -166,6 +166,36 @@ def test_misusing_process_sets_is_refused_with_the_fix(sets_job):
         assert r["after_errors"] == 4, "the job did not survive the refused calls"
 
 
+# --- the README's static pattern, for several partitions of the job -------------------------
+
+PARTITION_JOBS = [("torch", "hvdp-run-gloo"), ("torch", "hvdp-run-mpi"), ("torch", "mpirun"),
+                  ("tensorflow", "hvdp-run-gloo"), ("tensorflow", "mpirun")]
+
+
+@pytest.fixture(scope="module", params=PARTITION_JOBS, ids=["-".join(p) for p in PARTITION_JOBS])
+def partitions_job(request, tmp_path_factory):
+    framework, launcher = request.param
+    job = launch(str(WORKERS / "process_set_partitions.py"), [framework], launcher, framework,
+                 tmp_path_factory.mktemp("partitions"))
+    return with_reports(job)
+
+
+@pytest.mark.parametrize("partition, expected", [
+    ("two", [[0, 1], [2, 3]]), ("three", [[0, 2], [1], [3]]), ("three_and_one", [[0], [1, 2, 3]])])
+def test_each_set_of_a_partition_trains_like_one_process_on_its_members_data(partitions_job, partition, expected):
+    reports = {r["rank"]: r["partitions"][partition] for r in partitions_job}
+    assert sorted({tuple(r["set"]) for r in reports.values()}) == [tuple(s) for s in expected]
+    for members in expected:
+        got = [reports[m] for m in members]
+        if len(members) > 1:
+            assert len({g["digest_before_broadcast"] for g in got}) == len(members), "members did not start different"
+        assert len({g["digest_after_broadcast"] for g in got}) == 1, f"broadcast_state within {members} failed"
+        assert len({g["digest"] for g in got}) == 1, f"replicas of set {members} differ"
+        for g in got:
+            assert g["changed"] > 1e-3
+            assert g["vs_single_process"] <= TOLERANCE, f"set {members}: {g['vs_single_process']} from one process"
+
+
 # --- examples/ensemble.py ----------------------------------------------------------------------
 
 ENSEMBLE_RUNS = [("torch", "hvdp-run-gloo"), ("tensorflow", "mpirun")]

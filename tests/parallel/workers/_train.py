@@ -31,12 +31,12 @@ def union(members: List[int], step: int) -> tuple:
     return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
 
 
-def train(framework: str, process_set: Optional[hvdp.ProcessSet] = None) -> Dict[str, Any]:
-    """Train among ``process_set`` (None: every hvdp rank); report what the test compares."""
+def train(framework: str, process_set: Optional[hvdp.ProcessSet] = None, optimizer: str = "sgd") -> Dict[str, Any]:
+    """Train among ``process_set`` (None: every hvdp rank) with SGD+momentum or Adam; report what the test compares."""
     members = list(process_set.ranks) if process_set is not None else list(range(hvdp.size()))
     seed = 1000 * (members[0] + 1) + hvdp.rank()  # different weights on every rank before broadcast_state
     run = _torch if framework == "torch" else _keras
-    return run(seed, members, process_set)
+    return run(seed, members, process_set, optimizer)
 
 
 def _summary(before: np.ndarray, after_broadcast: np.ndarray, trained: np.ndarray,
@@ -48,21 +48,25 @@ def _summary(before: np.ndarray, after_broadcast: np.ndarray, trained: np.ndarra
             "vs_single_process": float(np.max(np.abs(trained - reference))), "losses": losses}
 
 
-def _torch(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet]) -> Dict[str, Any]:
+def _torch(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet], optimizer: str) -> Dict[str, Any]:
     import torch
+
+    def make_opt(params: Any) -> torch.optim.Optimizer:
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.Adam(params, lr=0.01)
 
     def flat(module: torch.nn.Module) -> np.ndarray:
         return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
-                                    process_set=process_set)
+    opt = hvdp.DistributedOptimizer(make_opt(model.parameters()), model, process_set=process_set)
     before = flat(model)
     hvdp.broadcast_state(model, opt, process_set=process_set)
     after_broadcast = flat(model)
     reference = copy.deepcopy(model)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = make_opt(reference.parameters())
     losses = []
     for step in range(STEPS):
         x, y = batch(hvdp.rank(), step)
@@ -79,8 +83,11 @@ def _torch(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet]
     return _summary(before, after_broadcast, flat(model), flat(reference), losses)
 
 
-def _keras(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet]) -> Dict[str, Any]:
+def _keras(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet], optimizer: str) -> Dict[str, Any]:
     import keras
+
+    def make_opt() -> Any:
+        return keras.optimizers.SGD(0.1, momentum=0.9) if optimizer == "sgd" else keras.optimizers.Adam(0.01)
 
     def make() -> Any:
         return keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(16, activation="tanh"),
@@ -92,14 +99,14 @@ def _keras(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet]
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     keras.utils.set_random_seed(seed)
     model = make()
-    opt = hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), process_set=process_set)
+    opt = hvdp.DistributedOptimizer(make_opt(), process_set=process_set)
     model.compile(optimizer=opt, loss=loss_fn)
     before = flat(model)
     hvdp.broadcast_state(model, opt, process_set=process_set)
     after_broadcast = flat(model)
     reference = make()
     reference.set_weights(model.get_weights())
-    reference.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss_fn)
+    reference.compile(optimizer=make_opt(), loss=loss_fn)
     losses = []
     for step in range(STEPS):
         losses.append(float(model.train_on_batch(*batch(hvdp.rank(), step))))
