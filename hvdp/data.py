@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from typing import List
 
 import numpy as np
 
@@ -35,3 +36,36 @@ def shard_indices(n_examples: int, rank: int, size: int, *, shuffle: bool = True
     else:
         per_rank = -(-n_examples // size)
     return np.resize(order, per_rank * size)[rank::size]
+
+
+def epoch_order(n_examples: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0) -> np.ndarray:
+    """The order of the examples in ``epoch``: the same permutation :func:`shard_indices` deals from.
+
+    Example:
+        >>> epoch_order(4, shuffle=False).tolist()
+        [0, 1, 2, 3]
+    """
+    if isinstance(n_examples, bool) or not isinstance(n_examples, numbers.Integral) or n_examples < 1:
+        raise ValueError(f"n_examples={n_examples!r}; expected an integer >= 1.")
+    return np.random.default_rng([seed, epoch]).permutation(n_examples) if shuffle else np.arange(n_examples)
+
+
+def plan_batches(remaining: np.ndarray, batch_size: int, size: int) -> List[np.ndarray]:
+    """Cut the examples left in an epoch into global batches of ``batch_size`` per worker.
+
+    Each global batch holds ``batch_size * size`` examples, dealt to the workers in turn
+    (worker ``r`` takes ``batch[r::size]``). The last, partial batch is dealt as evenly as
+    possible; when it would leave a worker without an example, it joins the batch before
+    it instead. Every example left is in exactly one batch: none is repeated or dropped.
+
+    Example:
+        >>> [b.tolist() for b in plan_batches(np.arange(7), 2, 2)]
+        [[0, 1, 2, 3], [4, 5, 6]]
+        >>> [b.tolist() for b in plan_batches(np.arange(5), 2, 2)]
+        [[0, 1, 2, 3, 4]]
+    """
+    step = batch_size * size
+    batches = [remaining[start:start + step] for start in range(0, len(remaining), step)]
+    if len(batches) > 1 and len(batches[-1]) < size:
+        batches[-2:] = [np.concatenate(batches[-2:])]
+    return batches

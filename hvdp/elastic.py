@@ -27,6 +27,9 @@ Example:
     ...         state.commit()
     >>> train(state)                                                       # doctest: +SKIP
 
+To train every example of an epoch exactly once while workers come and go, deal the
+examples with a :class:`Sampler` kept in the state (``for idx in state.sampler.batches(state.epoch)``).
+
 Launch it with ``hvdp run --elastic --min-np 1 --max-np 4 --host-discovery-script
 ./discover_hosts.sh train.py``.
 """
@@ -35,13 +38,14 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Callable, Dict, List, Optional, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
 import numpy as np
 
 from hvdp import _framework
+from hvdp.data import epoch_order, plan_batches
 
-__all__ = ["State", "run"]
+__all__ = ["Sampler", "State", "run"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -201,3 +205,91 @@ def run(func: F) -> F:
         return backend.elastic_run(func)(state, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+class Sampler:
+    """Deals each epoch's examples to the workers so that none is trained twice or skipped as workers change.
+
+    Keep it in the :class:`State` (``State(model, optimizer, sampler=Sampler(...), epoch=0)``):
+    it is committed, restored and taken from rank 0 with the model. :meth:`batches` gives
+    this worker's indices for each batch left in the epoch. A batch counts as trained from
+    the next :meth:`State.commit`; when the workers change, the examples not yet trained are
+    dealt again among the workers now present, and a failure goes back, with the model,
+    to the examples trained at the last commit.
+
+    Every worker gets ``batch_size`` examples per step (the last step of an epoch: as evenly
+    as the examples left allow), so all workers take the same number of steps.
+
+    Args:
+        n_examples: the number of examples in the data set.
+        batch_size: examples per worker per step.
+        shuffle: a new order every epoch (from ``seed`` and the epoch), the same on every worker.
+        seed: the seed of the order.
+
+    Raises:
+        ValueError: ``n_examples`` or ``batch_size`` is not a whole number of at least 1.
+
+    Example:
+        >>> sampler = hvdp.elastic.Sampler(len(x), batch_size=32)                # doctest: +SKIP
+        >>> state = hvdp.elastic.State(model, optimizer, sampler=sampler, epoch=0)  # doctest: +SKIP
+        >>> @hvdp.elastic.run
+        ... def train(state):
+        ...     while state.epoch < epochs:
+        ...         for number, idx in enumerate(state.sampler.batches(state.epoch), 1):
+        ...             step(x[idx], y[idx])
+        ...             if number % 10 == 0:
+        ...                 state.commit()
+        ...         state.epoch += 1
+        ...         state.commit()
+    """
+
+    def __init__(self, n_examples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0) -> None:
+        epoch_order(n_examples)  # checks n_examples
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"hvdp.elastic.Sampler: batch_size={batch_size!r}; give the examples per worker "
+                             f"per step, a whole number of at least 1 (e.g. batch_size=32).")
+        self.n_examples = int(n_examples)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch: Optional[int] = None
+        #: Examples of this epoch trained while the job had another number of workers.
+        self.done = np.empty(0, dtype=np.int64)
+        #: Batches trained at ``dealt_to`` workers since ``done`` last grew.
+        self.batches_done = 0
+        self.dealt_to = 0
+
+    def remaining(self) -> np.ndarray:
+        """The examples of the epoch not in :attr:`done`, in the epoch's order."""
+        order = epoch_order(self.n_examples, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch or 0)
+        return order[~np.isin(order, self.done)] if len(self.done) else order
+
+    def trained(self) -> int:
+        """How many examples of the current epoch count as trained (by every worker together)."""
+        batches = plan_batches(self.remaining(), self.batch_size, max(self.dealt_to, 1))[:self.batches_done]
+        return len(self.done) + sum(len(batch) for batch in batches)
+
+    def _deal(self, size: int) -> None:
+        """Make the batches count for ``size`` workers: fold those trained at another size into :attr:`done`."""
+        if size != self.dealt_to and self.batches_done:
+            trained = plan_batches(self.remaining(), self.batch_size, self.dealt_to)[:self.batches_done]
+            self.done = np.sort(np.concatenate([self.done, *trained]))
+            self.batches_done = 0
+        self.dealt_to = size
+
+    def batches(self, epoch: int) -> Iterator[np.ndarray]:
+        """This worker's example indices for each batch of ``epoch`` not trained yet.
+
+        Call it again after every (re)start of the training function: it continues from
+        the state's progress, dealing to the workers present now.
+        """
+        backend = _framework.current("elastic.Sampler.batches")
+        return self._batches(epoch, backend.rank(), backend.size())
+
+    def _batches(self, epoch: int, rank: int, size: int) -> Iterator[np.ndarray]:
+        if epoch != self.epoch:
+            self.epoch, self.done, self.batches_done, self.dealt_to = epoch, np.empty(0, dtype=np.int64), 0, size
+        self._deal(size)
+        for batch in plan_batches(self.remaining(), self.batch_size, size)[self.batches_done:]:
+            self.batches_done += 1  # trained once the step is done: the next commit keeps it
+            yield batch[rank::size]

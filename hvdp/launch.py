@@ -21,6 +21,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 from hvdp import _framework, tuning
 from hvdp.errors import FrameworkError, LaunchError
+from hvdp.supervise import JobWatcher, describe_exit  # noqa: F401 - part of this module's interface
 
 USAGE = """usage: hvdp run [-np N] [--framework torch|tensorflow] [--gloo | --mpi]
                 [-H HOSTS | --hostfile FILE] [-p PORT] [-i KEY] [--network-interface NIC]
@@ -54,12 +55,15 @@ Runs COMMAND (a .py file is run with this Python) on N processes through horovod
                         an executable that prints the hosts available now, one 'HOST:SLOTS'
                         (or 'HOST', 1 slot unless --slots-per-host) per line; run every second
   --min-np N            train while at least N processes are up (default: -np)
+  --elastic-timeout S   end an elastic job that has waited S seconds for --min-np processes
+                        (default 120; meanwhile hvdp run says what it waits for)
   --max-np M            never start more than M processes (default: as many as there are slots)
                         (-np, default --min-np, is the number to start with)
   --dry-run             print the command and the environment hvdp sets, run nothing
 
 When a rank dies or stalls, every other rank is stopped and hvdp run exits non-zero
-with a line naming the failed rank(s).
+with a line naming the failed rank(s). SIGTERM, SIGINT (Ctrl-C) or SIGHUP to hvdp run
+end every process of the job (SIGKILL after 5 s) and hvdp run exits 128 + the signal.
 
 Defaults hvdp sets when you have not: OMP_NUM_THREADS, TF_NUM_INTRAOP_THREADS and
 TF_NUM_INTEROP_THREADS so that local processes share the cores instead of
@@ -70,6 +74,11 @@ option before COMMAND is passed to horovodrun (see horovodrun --help)."""
 
 #: Seconds a rank may stay out of a collective before the job is ended (``--stall-timeout``).
 DEFAULT_STALL_TIMEOUT = 300
+#: Seconds an elastic job waits for --min-np usable slots before it ends (``--elastic-timeout``).
+#: Horovod's own default, 600 s, leaves a job that lost its workers silent for ten minutes;
+#: 120 s covers a blacklist cooldown and a replacement host's start with a wide margin
+#: (measured here: a host listed again runs its new worker 6-15 s later).
+DEFAULT_ELASTIC_TIMEOUT = 120
 #: Thread settings hvdp fills in when unset (local runs only).
 THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")
 
@@ -96,6 +105,7 @@ class RunArgs:
     min_np: Optional[int] = None
     max_np: Optional[int] = None
     discovery_script: Optional[str] = None
+    elastic_timeout: Optional[int] = None
 
 
 #: A host name or IPv4 address as horovodrun accepts it.
@@ -301,6 +311,7 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
     min_np: Optional[int] = None
     max_np: Optional[int] = None
     discovery_script: Optional[str] = None
+    elastic_timeout: Optional[int] = None
     i = 0
     flag = inline = ""
 
@@ -382,6 +393,12 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
                 max_np = int(raw)
         elif flag == "--host-discovery-script":
             discovery_script = take()
+        elif flag == "--elastic-timeout":
+            raw = take()
+            if not raw.isdigit() or int(raw) < 1:
+                raise LaunchError(f"hvdp run: --elastic-timeout {raw!r} is not a whole number of seconds "
+                                  f"(at least 1); e.g. --elastic-timeout {DEFAULT_ELASTIC_TIMEOUT}.")
+            elastic_timeout = int(raw)
         else:
             table = horovodrun_arity() if arity is None else arity
             if flag not in table:
@@ -404,6 +421,9 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
         raise LaunchError("hvdp run: give -H/--hosts or --hostfile, not both.")
     if hosts:
         parse_hosts(hosts)
+    if elastic_timeout is not None and not elastic:
+        raise LaunchError("hvdp run: --elastic-timeout only applies to elastic jobs; add --elastic "
+                          "(hvdp run --elastic --host-discovery-script FILE ...).")
     if elastic or min_np is not None or max_np is not None or discovery_script is not None:
         min_np, max_np = check_elastic_args(elastic, num_proc, min_np, max_np, discovery_script,
                                             controller, hosts or hostfile)
@@ -412,7 +432,8 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
                    ssh_port=ssh_port, ssh_identity_file=identity, network_interfaces=nics,
                    dry_run=dry_run, passthrough=passthrough, profile=profile, timeline=timeline,
                    stall_timeout=stall_timeout, elastic=elastic, min_np=min_np, max_np=max_np,
-                   discovery_script=discovery_script)
+                   discovery_script=discovery_script,
+                   elastic_timeout=(elastic_timeout or DEFAULT_ELASTIC_TIMEOUT) if elastic else None)
 
 
 def check_elastic_args(elastic: bool, num_proc: Optional[int], min_np: Optional[int], max_np: Optional[int],
@@ -638,6 +659,7 @@ def _elastic_flags(args: RunArgs) -> List[str]:
         flags += ["--max-np", str(args.max_np)]
     if not any(item.partition("=")[0] == "--slots-per-host" for item in args.passthrough):
         flags += ["--slots-per-host", "1"]  # a HOST line without :SLOTS has one slot
+    flags += ["--elastic-timeout", str(args.elastic_timeout or DEFAULT_ELASTIC_TIMEOUT)]
     return flags
 
 
@@ -645,81 +667,15 @@ def _hosts_arg(hosts: List[Tuple[str, int]]) -> str:
     return ",".join(f"{name}:{count}" for name, count in hosts)
 
 
-_GLOO_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
-_MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
-_MPI_STATUS = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
-_MPI_CODE = re.compile(r"Exit code:\s+(\d+)")
-_RAISED = re.compile(r"^\[(?:\d+,)?(\d+)\]<stderr>:([\w.]*(?:Error|Exception|Interrupt)): (.*)$")
-_STALLED = re.compile(r"(?:<stderr>:)?(\d+)!: \[(.*?)\]")
-
-
-class JobWatcher:
-    """Reads the job's output as it passes through and remembers which ranks failed and why."""
-
-    def __init__(self) -> None:
-        self.failed: Dict[int, str] = {}
-        self.stalled: Dict[int, str] = {}
-        self.raised: Dict[int, str] = {}
-        self._mpi_rank: Optional[int] = None
-
-    def feed(self, line: str) -> None:
-        """Look at one line of the job's output."""
-        found = _GLOO_EXIT.search(line)
-        if found and found.group(2) not in ("0", "143", "-15"):  # SIGTERM: stopped by the launcher
-            self.failed.setdefault(int(found.group(1)), describe_exit(int(found.group(2))))
-        found = _MPI_SIGNAL.search(line)
-        if found:
-            self.failed.setdefault(int(found.group(1)), describe_exit(-int(found.group(2))))
-        found = _MPI_STATUS.search(line)
-        if found:
-            self._mpi_rank = int(found.group(1))
-        found = _MPI_CODE.search(line)
-        if found and self._mpi_rank is not None:
-            self.failed.setdefault(self._mpi_rank, describe_exit(int(found.group(1))))
-            self._mpi_rank = None
-        for rank, tensors in _STALLED.findall(line):
-            self.stalled[int(rank)] = tensors
-        found = _RAISED.search(line.rstrip("\n"))
-        if found and "Horovod has been shut down" not in found.group(3):  # a consequence, not a cause
-            self.raised.setdefault(int(found.group(1)), f"{found.group(2).rsplit('.', 1)[-1]}: {found.group(3)}")
-
-    def summary(self, returncode: int) -> str:
-        """One line for the user: which ranks failed or stalled, and that the job was ended."""
-        if self.stalled:
-            ranks = "; ".join(f"rank {r} never submitted {t}" for r, t in sorted(self.stalled.items()))
-            return (f"hvdp: the job was ended: {ranks} (stalled longer than --stall-timeout). "
-                    "Every rank must make the same collective calls in the same order.")
-        causes = {r: f"raised {why}" for r, why in self.raised.items()}
-        for r, why in self.failed.items():
-            causes.setdefault(r, why)
-        if self.raised:  # ranks that exited only because another one failed are not causes
-            causes = {r: why for r, why in causes.items() if r in self.raised or "killed" in why}
-        if causes:
-            ranks = "; ".join(f"rank {r} {why}" for r, why in sorted(causes.items()))
-            return f"hvdp: the job failed: {ranks}. The other ranks were stopped (exit code {returncode})."
-        return f"hvdp: the job failed with exit code {returncode}; see the output above."
-
-
-def describe_exit(code: int) -> str:
-    """``exited with status 3`` or ``was killed by SIGKILL`` for a process exit code.
-
-    Example:
-        >>> describe_exit(-9)
-        'was killed by SIGKILL'
-    """
-    if code < 0 or 128 < code <= 128 + 64:  # -N from Python, 128+N from a shell; 255 is ssh's own failure
-        number = -code if code < 0 else code - 128
-        try:
-            return f"was killed by {signal.Signals(number).name}"
-        except ValueError:
-            return f"was killed by signal {number}"
-    return f"exited with status {code}"
-
-
 def run(argv: List[str]) -> int:
-    """Parse, build and start the job; return its exit code (non-zero, with a summary, on failure)."""
-    import subprocess
-    import threading
+    """Parse, build and start the job; return its exit code (non-zero, with a summary, on failure).
+
+    The job runs under :func:`hvdp.supervise.supervise`: its output is relayed, a failure is
+    summed up in one line, and SIGTERM, SIGINT or SIGHUP end every process of it.
+    """
+    import uuid
+
+    from hvdp import supervise
 
     args = parse_run_args(argv)
     command, env = build_command(args, os.environ, os.cpu_count() or 1, horovodrun_path())
@@ -727,33 +683,40 @@ def run(argv: List[str]) -> int:
         slots = sum(count for _, count in check_discovery_script(args.discovery_script or ""))
         if args.min_np is not None and slots < args.min_np:
             print(f"hvdp run: the discovery script lists {slots} slot(s) now, fewer than --min-np "
-                  f"{args.min_np}; the job waits for more (up to --elastic-timeout, default 600 s).",
+                  f"{args.min_np}; the job waits for more (up to --elastic-timeout {args.elastic_timeout} s).",
                   file=sys.stderr, flush=True)
     if args.dry_run:
         for key, value in sorted(env.items()):
             print(f"{key}={value}")
         print(" ".join(command))
         return 0
-    watcher = JobWatcher()
-    process = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
+    job_id = uuid.uuid4().hex
+    job = supervise.Job(command=command, env=supervise.job_env(env, job_id), mpi=args.controller == "mpi")
+    hosts, _ = (None, "") if args.elastic else resolve_hosts(args, os.environ)
+    remote = sorted({name for name, _ in hosts or []} - supervise.local_addresses())
+    if remote:
+        job.remote = supervise.remote_stopper(remote, job_id, args.ssh_port, args.ssh_identity_file)
+    reader = None
+    if args.elastic:
+        script = args.discovery_script or ""
 
-    stream = process.stdout
+        def list_hosts() -> str:
+            return supervise.hosts_line(check_discovery_script(script, timeout_s=10))
 
-    def relay() -> None:
-        for line in stream if stream is not None else ():
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            watcher.feed(line)
+        job.elastic = supervise.ElasticReporter(args.min_np or 1, supervise.JobWatcher(), list_hosts,
+                                                say=lambda text: print(text, file=sys.stderr, flush=True))
+        read_fd, job.events_fd = os.pipe()
+        # Horovod's own driver, reporting what it decides (hvdp/elastic_driver.py).
+        job.command = [sys.executable, "-m", "hvdp.elastic_driver", "--events-fd", str(job.events_fd),
+                       *command[1:]]
+        import threading
 
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
-    try:
-        returncode = process.wait()
-    except KeyboardInterrupt:
-        process.send_signal(signal.SIGINT)
-        returncode = process.wait()
-    reader.join(timeout=10)
-    if returncode != 0:
-        print(watcher.summary(returncode), file=sys.stderr, flush=True)
+        reader = threading.Thread(target=job.elastic.read, args=(os.fdopen(read_fd, "r"),), daemon=True)
+        reader.start()
+    returncode, watcher = supervise.supervise(job)
+    if reader is not None:
+        reader.join(timeout=2)
+    if returncode != 0 and not job.received:
+        final = job.elastic.final_line() if job.elastic is not None else None
+        print(final or watcher.summary(returncode), file=sys.stderr, flush=True)
     return returncode

@@ -37,7 +37,7 @@ def test_elastic_flags_become_horovodrun_flags(arity, tmp_path):
     assert (args.elastic, args.min_np, args.max_np, args.num_proc) == (True, 1, 4, None)
     argv, env = build_command(args, {}, cpu_count=8)
     assert argv == ["horovodrun", "-np", "1", "--gloo", "--host-discovery-script", discover, "--min-np", "1",
-                    "--max-np", "4", "--slots-per-host", "1", "python", "t.py"]
+                    "--max-np", "4", "--slots-per-host", "1", "--elastic-timeout", "120", "python", "t.py"]
     assert env["OMP_NUM_THREADS"] == "2"  # the cores are split among up to --max-np processes
 
 
@@ -48,7 +48,21 @@ def test_elastic_np_defaults_min_np_and_user_slots_per_host_wins(arity, tmp_path
     assert (args.min_np, args.max_np) == (2, None)
     argv, _ = build_command(args, {}, cpu_count=2)
     assert argv == ["horovodrun", "-np", "2", "--gloo", "--host-discovery-script", discover, "--min-np", "2",
-                    "--slots-per-host", "2", "--blacklist-cooldown-range", "1", "2", "python", "t.py"]
+                    "--elastic-timeout", "120", "--slots-per-host", "2", "--blacklist-cooldown-range", "1", "2",
+                    "python", "t.py"]
+
+
+def test_elastic_timeout_is_hvdps_own_flag_with_a_default_of_120_s(arity, tmp_path):
+    discover = script(tmp_path, "echo localhost:2")
+    args = parse_run_args(["--elastic", "-np", "1", "--elastic-timeout", "30", "--host-discovery-script", discover,
+                           "python", "t.py"], arity)
+    argv, _ = build_command(args, {}, cpu_count=2)
+    assert args.elastic_timeout == 30 and argv.count("--elastic-timeout") == 1
+    assert argv[argv.index("--elastic-timeout") + 1] == "30"
+    args = parse_run_args(["--elastic", "-np", "1", "--elastic-timeout=7", "--host-discovery-script", discover,
+                           "python", "t.py"], arity)
+    assert args.elastic_timeout == 7
+    assert parse_run_args(["-np", "1", "python", "t.py"], arity).elastic_timeout is None
 
 
 def test_elastic_ignores_the_slurm_allocation_for_hosts(arity, tmp_path):
@@ -92,6 +106,11 @@ def test_dry_run_prints_the_elastic_command_without_running_the_script(tmp_path)
     (["-np", "2", "--min-np", "1", "t.py"], r"--min-np only applies to elastic jobs; add --elastic"),
     (["-np", "2", "--host-discovery-script", "d.sh", "t.py"],
      r"--host-discovery-script only applies to elastic jobs; add --elastic"),
+    (["-np", "2", "--elastic-timeout", "60", "t.py"], r"--elastic-timeout only applies to elastic jobs; add --elastic"),
+    (["--elastic", "-np", "1", "--elastic-timeout", "0", "--host-discovery-script", "d.sh", "t.py"],
+     r"--elastic-timeout '0' is not a whole number of seconds \(at least 1\); e\.g\. --elastic-timeout 120"),
+    (["--elastic", "-np", "1", "--elastic-timeout", "2m", "--host-discovery-script", "d.sh", "t.py"],
+     r"--elastic-timeout '2m' is not a whole number of seconds"),
 ])
 def test_bad_elastic_arguments_name_the_values_and_the_fix(arity, argv, message):
     with pytest.raises(LaunchError, match=message):

@@ -1,0 +1,101 @@
+"""hvdp run's supervisor without Horovod: Open MPI's cut lines put back together, and a real
+process tree (with an orphan and a process that ignores SIGTERM) ended by a signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from hvdp.supervise import ElasticReporter, JobWatcher, TagJoiner
+
+
+def test_tag_joiner_rebuilds_lines_cut_into_tagged_pieces():
+    joiner = TagJoiner()
+    # As Open MPI printed an unbuffered traceback's marker line, with rank 0 speaking in between.
+    assert joiner.feed("[1,1]<stderr>:     [1,1]<stderr>:~[1,1]<stderr>:~[1,0]<stdout>:step 3\n") == \
+        ["[1,0]<stdout>:step 3\n"]
+    assert joiner.feed("[1,1]<stderr>:^[1,1]<stderr>:^\n") == ["[1,1]<stderr>:     ~~^^\n"]
+    assert joiner.feed("mpirun noticed that process rank 1 exited\n") == ["mpirun noticed that process rank 1 exited\n"]
+    assert joiner.feed("[1,0]<stderr>:unfinished") == []
+    assert joiner.flush() == ["[1,0]<stderr>:unfinished\n"]
+
+
+TREE = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    out = sys.argv[1]
+    # a child that ignores SIGTERM, and an orphan (its parent exits at once)
+    stubborn = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    middle = subprocess.Popen([sys.executable, "-c",
+        "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+        "open(sys.argv[1], 'w').write(str(p.pid))", out + "/orphan"])
+    middle.wait()
+    open(out + "/pids", "w").write(f"{stubborn.pid} {open(out + '/orphan').read()}")
+    time.sleep(600)
+""")
+
+SUPERVISOR = textwrap.dedent("""
+    import sys
+    from hvdp import supervise
+    job = supervise.Job(command=[sys.executable, sys.argv[1], sys.argv[2]], env=dict(__import__("os").environ),
+                        grace_s=2.0)
+    code, _ = supervise.supervise(job)
+    sys.exit(code)
+""")
+
+
+def test_a_signal_ends_the_whole_tree_orphans_and_sigterm_ignorers_included(tmp_path):
+    (tmp_path / "tree.py").write_text(TREE)
+    (tmp_path / "supervisor.py").write_text(SUPERVISOR)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "supervisor.py"), str(tmp_path / "tree.py"),
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pids").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    orphan = pids[1]
+    assert int(Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid  # adopted
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    took = time.monotonic() - started
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or \
+            Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", pid
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("hvdp run: stopped by SIGTERM: ended 3 helper processes in ")
+    assert last.endswith("; SIGKILL for a helper process."), last
+    assert 2 <= took < 6, took
+
+
+def test_the_wait_message_names_workers_hosts_causes_listing_and_time():
+    watcher = JobWatcher()
+    watcher.feed("[1]<stderr>:RuntimeError: boom at step 30\n")
+    said = []
+    reporter = ElasticReporter(2, watcher, lambda: "localhost:2, 127.0.0.1:1", said.append)
+    reporter.handle({"event": "exit", "host": "localhost", "slot": 1, "rank": 1, "code": 1})
+    reporter.handle({"event": "recorded", "failed": [["localhost", 1]],
+                     "ready": [["localhost", 0], ["127.0.0.1", 0]], "success": 0, "size": 3})
+    reporter.handle({"event": "blacklisted", "host": "localhost", "ranks": [1], "until": None})
+    reporter.handle({"event": "waiting", "phase": "resume", "min_np": 2, "min_hosts": 1, "slots": 1,
+                     "timeout": 120})
+    (message,) = said
+    assert message.splitlines() == [
+        "hvdp run: the job is below --min-np 2: 1 worker left, 1 usable slot(s) now.",
+        "hvdp run:   removed localhost (rank 1 raised RuntimeError: boom at step 30; 1 healthy worker on it "
+        "stopped too: Horovod removes whole hosts), blacklisted for good (no --blacklist-cooldown-range)",
+        "hvdp run:   the discovery script lists now: localhost:2, 127.0.0.1:1",
+        "hvdp run:   waiting up to 120 s more (--elastic-timeout 120) for 2 usable slots; Ctrl-C ends the job.",
+    ]
+    reporter.handle({"event": "timeout", "message": "Timed out"})
+    assert reporter.final_line() == (
+        "hvdp: the elastic job was ended: it waited 120 s (--elastic-timeout) with 1 worker for 2 usable slots "
+        "(--min-np) and the hosts offered 1. List more hosts in the discovery script, lower --min-np, or raise "
+        "--elastic-timeout.")
