@@ -281,8 +281,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     with SlurmCluster(workdir.resolve()) as cluster:
         nodes = ", ".join(f"{n} {h.address}" for n, h in cluster.nodes.items())
-        print(f"slurm.py: cluster {cluster.name} up (nodes {nodes}; sshd port {SSH_PORT}, key {cluster.key}); "
-              f"SLURM_CONF={cluster.conf}", file=sys.stderr)
+        print(f"slurm.py: cluster {cluster.name} up (nodes {nodes}, one CPU each), SLURM_CONF={cluster.conf}; "
+              f"from the repository root, try:\n  sbatch --cpus-per-task=1 docker/slurm/hvdp.sbatch "
+              f"-p {SSH_PORT} -i {cluster.key} --network-interface eth0", file=sys.stderr)
         command = args.command or [os.environ.get("SHELL", "/bin/bash")]
         env = cluster.net.env(cluster.env())
         code = subprocess.call(["ip", "netns", "exec", cluster.submit.netns, *command], env=env)

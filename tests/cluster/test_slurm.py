@@ -157,7 +157,8 @@ def test_a_rank_that_raises_fails_the_job_with_the_cause_in_its_output(slurm, co
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", output[-6000:]
     assert "rank 1 raised RuntimeError: injected failure at step 5" in output, output[-6000:]
     assert "rank 0 raised" not in output  # rank 0 only stopped because rank 1 failed
-    print(f"raise/{controller}: {fields['JobState']} (exit {fields['ExitCode']}) in {took:.0f} s")
+    cause = [line for line in output.splitlines() if "rank 1 raised" in line]
+    print(f"raise/{controller}: {fields['JobState']} (exit {fields['ExitCode']}) in {took:.0f} s: {cause}")
     assert wait_for_no_strays(slurm, 30) == {"n1": [], "n2": []}
 
 
