@@ -1,0 +1,324 @@
+"""pytest plugin loaded by every rank of the README jobs (see test_readme.py).
+
+Each rank runs ``pytest -p readme_blocks --markdown-docs README.md``: pytest-markdown-docs
+turns every ```python fence into a test, and this plugin
+
+* gives each block the names its section assumes (``model``, ``optimizer``, ``x``, ...),
+  chosen by the ``fixture:NAME`` in the fence's info string (invisible when rendered),
+  from small models built here, on the job's framework;
+* keeps only the blocks that belong to this job (``HVDP_DOCS_JOB``): see ``JOBS``;
+* runs each block in a folder of its own shared by the ranks, and checks afterwards that
+  the replicas it touched are identical;
+* writes what this rank saw, one JSON file per rank, to ``HVDP_DOCS_OUT``.
+
+The scenes and the job of each fence are in ``SCENES`` and ``JOBS``; test_readme.py reads
+them from here, so a new fence cannot slip past the checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import pytest
+
+import hvdp
+
+#: fixture name in a fence's info string -> the jobs that run the block. A fence without
+#: one of these runs in both 2-process jobs.
+JOBS: Dict[str, List[str]] = {
+    "torch_model": ["torch"],        # a torch nn.Module (different weights per rank), data, no optimizer
+    "torch_job": ["torch"],          # a started torch job and a tensor `t`
+    "torch_training": ["torch"],     # a torch model, hvdp's DistributedOptimizer, a loss and batches,
+                                     # rank 0's state broadcast
+    "keras_model": ["tensorflow"],   # a Keras 3 model (different weights per rank), data, not compiled
+    "keras_compiled": ["tensorflow"],  # ... compiled with hvdp's DistributedOptimizer
+    "keras_training": ["tensorflow"],  # ... and rank 0's state broadcast
+    "training": ["torch", "tensorflow"],  # torch_training or keras_training, by the job's framework
+    "job": ["torch", "tensorflow"],  # a started job and a tensor `t`, on either framework
+    "mpi_program": ["mpirun4"],      # 4 MPI processes, hvdp not started, no names
+    "process_sets": ["four"],        # 4 processes, hvdp not started; a torch model and a plain `opt`
+}
+DEFAULT_JOBS = ["torch", "tensorflow"]
+#: job -> the launcher and its arguments, without the command; a job is one process group, so
+#: hvdp is started at most once per process (Horovod cannot restart reliably within a process).
+LAUNCH = {"torch": ["hvdp", "run", "-np", "2", "--framework", "torch"],
+          "tensorflow": ["hvdp", "run", "-np", "2", "--framework", "tensorflow"],
+          "four": ["hvdp", "run", "-np", "4", "--framework", "torch"],
+          "mpirun4": ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4"]}
+
+
+def processes(job: str) -> int:
+    """How many ranks a job starts."""
+    argv = LAUNCH[job]
+    return int(argv[argv.index("-np") + 1])
+
+
+_scene: Dict[str, Any] = {}
+#: after the block, the ranks whose models must be identical: None = all, [] = no model to check
+_same: Dict[str, Any] = {"groups": None}
+
+
+def jobs_of(fixture_names) -> List[str]:
+    """The jobs that run a block requesting these fixtures."""
+    scenes = [name for name in fixture_names if name in JOBS]
+    if len(scenes) > 1:
+        raise ValueError(f"a README block names several scenes: {scenes}; give it one")
+    return JOBS[scenes[0]] if scenes else DEFAULT_JOBS
+
+
+def _rank() -> int:
+    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def _data(rank: int, n: int = 32) -> tuple:
+    """Features (n, 8) float32 and labels in 0..3, different on every rank."""
+    rng = np.random.default_rng(100 + rank)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int64) + 2 * (x[:, 1] > 0).astype(np.int64)
+
+
+# --- scenes: the names a README section assumes ------------------------------------------------
+
+def _torch_model(rank: int) -> Dict[str, Any]:
+    import keras  # on torch (hvdp run sets KERAS_BACKEND): the Training section wraps a Keras optimizer too
+    import torch
+
+    torch.manual_seed(rank)  # different weights per rank: a broadcast has something to do
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = _data(rank)
+    return {"torch": torch, "keras": keras, "model": model,
+            "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),  # the user's own, not wrapped yet
+            "x_train": torch.from_numpy(x), "x": torch.from_numpy(x),
+            "y": torch.from_numpy(y), "epoch": 0, "epochs": 2, "correct": 20 + rank, "total": 32,
+            "t": torch.arange(3, dtype=torch.float32) + rank}
+
+
+def _torch_training(rank: int) -> Dict[str, Any]:
+    names = _torch_model(rank)
+    torch, model = names["torch"], names["model"]
+    optimizer = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    hvdp.broadcast_state(model, optimizer)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x, y = _data(rank)
+    batches = [(x[i:i + 4], y[i:i + 4]) for i in range(0, len(x), 4)]
+
+    def load(x: np.ndarray, y: np.ndarray) -> tuple:
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def step(i: int) -> None:
+        xb, yb = load(*batches[i % len(batches)])
+        optimizer.zero_grad()
+        loss_fn(model(xb), yb).backward()
+        optimizer.step()
+
+    return {**names, "optimizer": optimizer, "loss_fn": loss_fn, "batches": batches, "load": load,
+            "step": step}
+
+
+def _keras_model(rank: int) -> Dict[str, Any]:
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(rank)
+    model = keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(4)])
+    x, y = _data(rank)
+    return {"keras": keras, "tf": tf, "model": model, "x": x, "y": y, "x_train": x,
+            "idx": hvdp.shard(len(x), seed=0, epoch=0), "epoch": 0, "epochs": 2,
+            "loss_fn": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            "correct": 20 + rank, "total": 32, "t": tf.range(3, dtype=tf.float32) + rank}
+
+
+def _keras_compiled(rank: int) -> Dict[str, Any]:
+    names = _keras_model(rank)
+    optimizer = hvdp.DistributedOptimizer(names["keras"].optimizers.SGD(0.1))
+    names["model"].compile(optimizer=optimizer, loss=names["loss_fn"])
+    return {**names, "optimizer": optimizer}
+
+
+def _keras_training(rank: int) -> Dict[str, Any]:
+    names = _keras_compiled(rank)
+    model, optimizer, x, y = names["model"], names["optimizer"], names["x"], names["y"]
+    hvdp.broadcast_state(model, optimizer)
+    batches = [(x[i:i + 4], y[i:i + 4]) for i in range(0, len(x), 4)]
+
+    def step(i: int) -> None:
+        model.train_on_batch(*batches[i % len(batches)])
+
+    return {**names, "batches": batches, "step": step}
+
+
+def _job(rank: int) -> Dict[str, Any]:
+    if hvdp.framework() == "torch":
+        import torch
+
+        return {"torch": torch, "t": torch.arange(3, dtype=torch.float32) + rank}
+    import tensorflow as tf
+
+    return {"tf": tf, "t": tf.range(3, dtype=tf.float32) + rank}
+
+
+def _mpi_program(rank: int) -> Dict[str, Any]:
+    _same["groups"] = []
+    return {}
+
+
+def _process_sets(rank: int) -> Dict[str, Any]:
+    import torch
+
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    _same["groups"] = [[0, 1], [2, 3]]  # the block's two sets, each broadcast from its first member
+    return {"torch": torch, "model": model, "opt": torch.optim.Adam(model.parameters(), lr=1e-3)}
+
+
+def _start() -> int:
+    hvdp.init()
+    return hvdp.rank()
+
+
+def _enter(builder, started: bool = True) -> Dict[str, Any]:
+    rank = _start() if started else _rank()
+    _scene.clear()
+    _scene.update(builder(rank))
+    return _scene
+
+
+@pytest.fixture
+def torch_model():
+    return _enter(_torch_model)
+
+
+@pytest.fixture
+def torch_training():
+    return _enter(_torch_training)
+
+
+@pytest.fixture
+def keras_model():
+    return _enter(_keras_model)
+
+
+@pytest.fixture
+def torch_job():
+    return _enter(_job)
+
+
+@pytest.fixture
+def keras_compiled():
+    return _enter(_keras_compiled)
+
+
+@pytest.fixture
+def keras_training():
+    return _enter(_keras_training)
+
+
+@pytest.fixture
+def training():
+    _start()
+    scene = _enter(_torch_training if hvdp.framework() == "torch" else _keras_training)
+    scene["batches"] = len(scene["batches"])  # in these sections `batches` counts the batches of an epoch
+    return scene
+
+
+@pytest.fixture
+def job():
+    return _enter(_job)
+
+
+@pytest.fixture
+def mpi_program():
+    return _enter(_mpi_program, started=False)
+
+
+@pytest.fixture
+def process_sets():
+    return _enter(_process_sets, started=False)
+
+
+def pytest_markdown_docs_globals() -> Dict[str, Any]:
+    """The names of the current block's scene (empty for blocks that need none)."""
+    return {"hvdp": hvdp, "os": os, "socket": socket, "np": np, **_scene}
+
+
+# --- around every block ------------------------------------------------------------------------
+
+def _flat(model: Any) -> np.ndarray:
+    if hasattr(model, "parameters"):
+        return np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
+    return np.concatenate([np.asarray(v).reshape(-1) for v in model.weights])
+
+
+@pytest.fixture(autouse=True)
+def _shared_folder_and_identical_replicas(request):
+    """Run each block in a folder of its own, shared by the ranks; afterwards the block's model
+    must be the same on every rank (every README block that trains or broadcasts promises it).
+    hvdp stays started for the next block (a block that shuts it down runs last)."""
+    folder = Path(os.environ["HVDP_DOCS_OUT"]) / "work" / f"line{_line(request.node)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    old = os.getcwd()
+    os.chdir(folder)
+    _scene.clear()
+    _same["groups"] = None
+    try:
+        yield
+        model = _scene.get("model")
+        if model is not None and _same["groups"] != [] and hvdp.is_initialized():
+            everyone = hvdp.allgather_object(_flat(model))
+            for group in _same["groups"] or [list(range(len(everyone)))]:
+                worst = max(float(np.max(np.abs(everyone[r] - everyone[group[0]]))) for r in group)
+                assert worst == 0.0, f"after the block, ranks {group} hold different weights (max diff {worst})"
+    finally:
+        os.chdir(old)
+        _scene.clear()
+
+
+# --- which blocks run here, and the report ------------------------------------------------------
+
+_results: Dict[str, Dict[str, Any]] = {}
+_deselected: List[str] = []
+_collected: List[int] = []
+
+
+def _line(item) -> Optional[int]:
+    return getattr(item, "start_line", None)
+
+
+def pytest_collection_modifyitems(config, items):
+    here = os.environ["HVDP_DOCS_JOB"]
+    _collected.append(len(items))
+    keep, drop = [], []
+    for item in items:
+        (keep if here in jobs_of(getattr(item, "fixturenames", ())) else drop).append(item)
+    # a block that shuts hvdp down ends the job: run it after the others
+    items[:] = sorted(keep, key=lambda item: "hvdp.shutdown()" in getattr(item, "code", ""))
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    _deselected.extend(str(_line(item)) for item in drop)
+
+
+def pytest_runtest_logreport(report):
+    line = report.location[1]
+    entry = _results.setdefault(str(line), {"outcome": "passed", "phases": {}})
+    entry["phases"][report.when] = report.outcome
+    if report.outcome != "passed" and entry["outcome"] != "failed":
+        entry["outcome"] = "failed" if report.failed else "skipped"
+    if report.failed:
+        entry["error"] = str(report.longrepr)[-3000:]
+
+
+def pytest_sessionfinish(session):
+    out = Path(os.environ["HVDP_DOCS_OUT"])
+    rank = _rank()
+    record = {"rank": rank, "job": os.environ["HVDP_DOCS_JOB"], "blocks": _results,
+              "deselected": sorted(_deselected, key=int), "collected": sum(_collected)}
+    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))

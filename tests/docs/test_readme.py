@@ -1,0 +1,150 @@
+"""Every ```python block of README.md runs, under a real launcher, on every rank.
+
+pytest-markdown-docs turns each fence into a test; readme_blocks.py (the plugin every rank
+loads) gives a block the names its section assumes, chosen by the ``fixture:NAME`` in the
+fence's info string, and assigns it to a job:
+
+* ``torch``: ``hvdp run -np 2 --framework torch`` (Gloo);
+* ``tensorflow``: ``hvdp run -np 2 --framework tensorflow`` (Gloo);
+* ``four``: ``hvdp run -np 4 --framework torch`` (the process-set block);
+* ``mpirun4``: ``mpirun --allow-run-as-root --oversubscribe -np 4`` (the MPI-communicator block),
+  as the README's own command lines start them.
+
+Each rank writes the outcome of every block; the tests require every rank of a job to pass
+exactly the blocks assigned to it, and every fence of README.md to be run by some job or
+marked ``notest`` with the reason in an HTML comment just above it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, NamedTuple
+
+import pytest
+from markdown_it import MarkdownIt
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+README = REPO / "README.md"
+sys.path.insert(0, str(HERE))
+import readme_blocks  # noqa: E402  (beside this file; every rank loads it as a plugin)
+
+PYTHON_LANGS = ("py", "python", "python3")  # what pytest-markdown-docs collects
+NOT_RUN_MARK = "<!-- not run by the tests:"
+TIMEOUT_S = 420
+
+
+class Fence(NamedTuple):
+    line: int          # 1-based line of the opening fence (pytest-markdown-docs' start line)
+    lang: str
+    options: List[str]
+    code: str
+    comment_above: str  # an HTML comment right above the fence, if any
+
+
+def fences(path: Path = README) -> List[Fence]:
+    """Every fenced block of a Markdown file, parsed as pytest-markdown-docs parses it."""
+    tokens = MarkdownIt("commonmark").parse(path.read_text(encoding="utf-8"))
+    found = []
+    for i, token in enumerate(tokens):
+        if token.type != "fence" or not token.map:
+            continue
+        info = token.info.split()
+        above = tokens[i - 1].content.strip() if i and tokens[i - 1].type == "html_block" else ""
+        found.append(Fence(token.map[0] + 1, info[0] if info else "", info[1:], token.content, above))
+    return found
+
+
+def python_fences() -> List[Fence]:
+    return [f for f in fences() if f.lang in PYTHON_LANGS]
+
+
+def expected_lines(job: str) -> List[int]:
+    """The lines of the fences that `job` runs, by the scene named in each fence."""
+    return [f.line for f in python_fences() if "notest" not in f.options
+            and job in readme_blocks.jobs_of(o[len("fixture:"):] for o in f.options if o.startswith("fixture:"))]
+
+
+class JobResult(NamedTuple):
+    returncode: int
+    output: str
+    ranks: List[Dict]
+
+
+def run_job(job: str, out: Path) -> JobResult:
+    """Run README.md's blocks of `job` under its launcher; every rank writes out/rank<N>.json."""
+    launcher = readme_blocks.LAUNCH[job]
+    np_ = readme_blocks.processes(job)
+    env = {**os.environ, "HVDP_DOCS_JOB": job, "HVDP_DOCS_OUT": str(out), "PYTHONUNBUFFERED": "1",
+           "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.pop("HVDP_FRAMEWORK", None)
+    env.pop("KERAS_BACKEND", None)
+    if launcher[0] == "hvdp":
+        launcher = [sys.executable, "-m", "hvdp.cli", *launcher[1:]]
+    else:  # mpirun does not set the threads per process as hvdp run does: 4 processes share 2 cores
+        env.update(OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
+    command = [*launcher, sys.executable, "-m", "pytest", "-p", "readme_blocks", "-p", "no:cacheprovider",
+               "--markdown-docs", str(README), "-q", "--color=no", "--timeout=300"]
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher ends its ranks
+        try:
+            output, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        raise AssertionError(f"the {job} job hung for {TIMEOUT_S} s:\n{output[-4000:]}") from None
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(np_)
+             if (out / f"rank{r}.json").exists()]
+    return JobResult(proc.returncode, output, ranks)
+
+
+@pytest.fixture(scope="module", params=sorted(readme_blocks.LAUNCH))
+def job(request, tmp_path_factory):
+    return request.param, run_job(request.param, tmp_path_factory.mktemp(f"readme-{request.param}"))
+
+
+def test_every_python_block_is_run_by_a_job_or_says_why_not():
+    blocks = python_fences()
+    assert len(blocks) >= 13, f"README.md has only {len(blocks)} python blocks: is the parser right?"
+    run = {line for job in readme_blocks.LAUNCH for line in expected_lines(job)}
+    for fence in blocks:
+        if "notest" in fence.options:
+            assert fence.comment_above.startswith(NOT_RUN_MARK) and len(fence.comment_above) > len(NOT_RUN_MARK) + 10, \
+                f"README.md:{fence.line}: a notest block needs '{NOT_RUN_MARK} REASON -->' right above it"
+            assert fence.line not in run
+        else:
+            assert fence.line in run, f"README.md:{fence.line}: no job runs this block"
+        scenes = [o[len("fixture:"):] for o in fence.options if o.startswith("fixture:")]
+        unknown = [s for s in scenes if s not in readme_blocks.JOBS]
+        assert not unknown, f"README.md:{fence.line}: unknown scene(s) {unknown}; known: {sorted(readme_blocks.JOBS)}"
+
+
+def test_every_rank_passes_exactly_the_blocks_of_its_job(job):
+    name, result = job
+    np_ = readme_blocks.processes(name)
+    expected = expected_lines(name)
+    runnable = [f.line for f in python_fences() if "notest" not in f.options]
+    assert expected, f"no README block is assigned to the {name} job"
+    assert [r["rank"] for r in result.ranks] == list(range(np_)), \
+        f"{name} job (exit {result.returncode}): missing rank reports:\n{result.output[-6000:]}"
+    for record in result.ranks:
+        outcomes = {int(line): entry["outcome"] for line, entry in record["blocks"].items()}
+        failed = {line: record["blocks"][str(line)].get("error", "")[-1500:]
+                  for line, outcome in outcomes.items() if outcome != "passed"}
+        assert not failed, f"{name} job, rank {record['rank']}: README blocks failed or were skipped:\n" + \
+            "\n".join(f"README.md:{line}:\n{text}" for line, text in failed.items())
+        assert sorted(outcomes) == expected, f"{name} job, rank {record['rank']} ran {sorted(outcomes)}"
+        # pytest-markdown-docs collected every runnable fence: none escapes the count
+        assert record["collected"] == len(runnable)
+        assert sorted(map(int, record["deselected"])) == sorted(set(runnable) - set(expected))
+    assert result.returncode == 0, f"{name} job exited {result.returncode}:\n{result.output[-4000:]}"
