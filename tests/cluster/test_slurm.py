@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -210,3 +211,37 @@ def test_the_slurm_cluster_is_removed_even_when_the_body_fails(tmp_path):
             raise RuntimeError("boom")
     assert cluster.leftovers() == []
     assert [pid for pid in pids if running(pid)] == []
+
+
+@pytest.mark.parametrize("args, expected", [
+    ([], ["--framework", "torch", "examples/train_digits.py"]),
+    (["--mpi", "-p", "2222"], ["--framework", "torch", "--mpi", "-p", "2222", "examples/train_digits.py"]),
+    (["--mpi", "--", "train.py", "--lr", "1e-3", "--"], ["--framework", "torch", "--mpi", "train.py", "--lr", "1e-3",
+                                                        "--"]),
+    (["--", "train.py"], ["--framework", "torch", "train.py"]),
+])
+def test_the_batch_script_splits_hvdp_run_options_from_the_command(args, expected, tmp_path):
+    """Without Slurm: hvdp run replaced by a recorder; the options go before the command, a
+    command after -- replaces the default one, and the script checks and then runs it."""
+    record = tmp_path / "hvdp"
+    record.write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$0.calls"\n')
+    record.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "HVDP": str(record), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    out = subprocess.run(["bash", str(SBATCH), *args], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "hvdp: Slurm job 7 on n[1-2], tasks per node 1(x2)\n"
+    assert (tmp_path / "hvdp.calls").read_text().splitlines() == [
+        " ".join(["run", "--dry-run", *expected]), " ".join(["run", *expected])]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({}, "SLURM_JOB_ID: not inside a Slurm allocation; submit with sbatch"),
+    ({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "1"},
+     "hvdp.sbatch: nothing after --; give the command to run, e.g. -- train.py"),
+])
+def test_the_batch_script_refuses_to_run_outside_slurm_or_without_a_command(env, message, tmp_path):
+    out = subprocess.run(["bash", str(SBATCH), "--mpi", "--"], capture_output=True, text=True, timeout=30,
+                         env={"PATH": os.environ["PATH"], "HVDP": "/bin/false", "SLURM_SUBMIT_DIR": str(tmp_path),
+                              **env})
+    assert out.returncode != 0 and message in out.stderr, out.stderr
