@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import numbers
 from typing import Any, Callable, List, Optional, Sequence, Union
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from hvdp import _framework, elastic, profiler
 from hvdp import checkpoint as _checkpoint
+from hvdp import consistency as _consistency
 from hvdp import process_sets as _process_sets
 from hvdp.backends.base import COMPRESSIONS, REDUCE_OPS
 from hvdp.data import shard_indices
@@ -473,17 +473,7 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, **extras: Any)
     Example:
         >>> hvdp.save_checkpoint("ckpt/last.npz", model, optimizer, epoch=epoch, step=step)  # doctest: +SKIP
     """
-    backend = _framework.current("save_checkpoint")
-    failure = None
-    if backend.rank() == 0:
-        try:
-            arrays, optimizer_state = backend.export_state(model, optimizer)
-            _checkpoint.write(path, backend.name, arrays, optimizer_state, extras)
-        except Exception as exc:  # every rank must learn of it, or the others would wait forever
-            failure = f"{type(exc).__name__}: {exc}"
-    failure = backend.broadcast_object(failure, 0, None, name="hvdp.checkpoint.save")
-    if failure:
-        raise CheckpointError(f"saving checkpoint {path} failed on rank 0: {failure}")
+    _checkpoint.save(_framework.current("save_checkpoint"), path, model, optimizer, extras)
 
 
 def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> dict:
@@ -498,25 +488,7 @@ def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> dict:
         >>> extras = hvdp.load_checkpoint("ckpt/last.npz", model, optimizer)  # doctest: +SKIP
         >>> start_epoch = extras["epoch"] + 1
     """
-    backend = _framework.current("load_checkpoint")
-    outcome: tuple = ("error", "rank 0 did not answer")
-    if backend.rank() == 0:
-        try:
-            arrays, optimizer_state, extras = _checkpoint.read(path, backend.name)
-            expected, _ = backend.export_state(model, None)
-            _checkpoint.check_architecture(path, [(n, tuple(a.shape)) for n, a in expected.items()], arrays)
-            backend.import_state(model, optimizer, arrays, optimizer_state)
-            outcome = ("ok", extras)
-        except CheckpointError as exc:
-            outcome = ("error", str(exc))
-        except Exception as exc:  # every rank must learn of it, or the others would wait forever
-            outcome = ("error", f"loading checkpoint {path} failed on rank 0: {type(exc).__name__}: {exc}")
-    status, payload = backend.broadcast_object(outcome, 0, None, name="hvdp.checkpoint.load")
-    if status != "ok":
-        raise CheckpointError(payload)
-    backend.broadcast_state(model, optimizer, 0, None)
-    loaded: dict = payload
-    return loaded
+    return _checkpoint.load(_framework.current("load_checkpoint"), path, model, optimizer)
 
 
 def check_consistency(model: Any, *, process_set: Optional[ProcessSet] = None) -> None:
@@ -534,30 +506,8 @@ def check_consistency(model: Any, *, process_set: Optional[ProcessSet] = None) -
         >>> hvdp.check_consistency(model)  # doctest: +SKIP
     """
     backend = _framework.current("check_consistency")
-    handle = _process_sets.handle(process_set, "check_consistency")
-    mine = [(name, list(array.shape), hashlib.blake2b(np.ascontiguousarray(array).tobytes(), digest_size=16)
-             .hexdigest()) for name, array in backend.named_parameters(model)]
-    everyone = backend.allgather_object(mine, handle)
-    ranks = _process_sets.members(process_set, "check_consistency")
-    reference = everyone[0]
-    problems = []
-    for rank_, theirs in zip(ranks, everyone):
-        if theirs == reference:
-            continue
-        if [(n, s) for n, s, _ in theirs] != [(n, s) for n, s, _ in reference]:
-            problems.append(f"rank {rank_} has a different architecture ({len(theirs)} parameters vs "
-                            f"{len(reference)} on rank {ranks[0]})")
-            continue
-        differing = [n for (n, _, d), (_, _, d0) in zip(theirs, reference) if d != d0]
-        problems.append(f"rank {rank_} ({len(differing)} of {len(reference)} parameters differ, e.g. "
-                        f"{', '.join(differing[:3])})")
-    if problems:
-        differing_ranks = [p.split(" ", 2)[1] for p in problems]
-        raise ReplicaMismatchError(
-            f"Replicas differ from rank {ranks[0]} on rank(s) {', '.join(differing_ranks)}: {'; '.join(problems)}. "
-            "Start every replica with hvdp.broadcast_state(model, optimizer) and step with "
-            "hvdp.DistributedOptimizer."
-        )
+    _consistency.check(backend, model, _process_sets.handle(process_set, "check_consistency"),
+                       _process_sets.members(process_set, "check_consistency"))
 
 
 def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str = "none",

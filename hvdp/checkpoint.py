@@ -1,5 +1,9 @@
 """Checkpoints that survive crashes: rank 0 writes atomically, rank 0 reads and broadcasts.
 
+:func:`save` and :func:`load` are ``hvdp.save_checkpoint`` / ``hvdp.load_checkpoint``:
+every rank calls them, rank 0 touches the file, and an error on rank 0 reaches every
+rank as a CheckpointError (never a rank left waiting).
+
 The file is a NumPy ``.npz`` archive (no pickle): every array of the model and
 optimizer state, plus a JSON header with the format version, the framework,
 the parameter names and shapes, the structure of the optimizer state and the
@@ -138,3 +142,39 @@ def check_architecture(path: Union[str, Path], expected: List[Tuple[str, Tuple[i
             parts.append(f"different shapes: {'; '.join(reshaped[:5])}")
         raise CheckpointError(f"checkpoint {path} does not match the model ({'; '.join(parts)}). "
                               "Load it into the same architecture that saved it.")
+
+
+def save(backend: Any, path: Union[str, Path], model: Any, optimizer: Any, extras: Dict[str, Any]) -> None:
+    """Rank 0 writes; every rank returns, or raises CheckpointError if the write failed."""
+    failure = None
+    if backend.rank() == 0:
+        try:
+            arrays, optimizer_state = backend.export_state(model, optimizer)
+            write(path, backend.name, arrays, optimizer_state, extras)
+        except Exception as exc:  # every rank must learn of it, or the others would wait forever
+            failure = f"{type(exc).__name__}: {exc}"
+    failure = backend.broadcast_object(failure, 0, None, name="hvdp.checkpoint.save")
+    if failure:
+        raise CheckpointError(f"saving checkpoint {path} failed on rank 0: {failure}")
+
+
+def load(backend: Any, path: Union[str, Path], model: Any, optimizer: Any) -> Dict[str, Any]:
+    """Rank 0 reads and checks the file, then every rank takes its state; the saved extras."""
+    outcome: tuple = ("error", "rank 0 did not answer")
+    if backend.rank() == 0:
+        try:
+            arrays, optimizer_state, extras = read(path, backend.name)
+            expected, _ = backend.export_state(model, None)
+            check_architecture(path, [(n, tuple(a.shape)) for n, a in expected.items()], arrays)
+            backend.import_state(model, optimizer, arrays, optimizer_state)
+            outcome = ("ok", extras)
+        except CheckpointError as exc:
+            outcome = ("error", str(exc))
+        except Exception as exc:  # every rank must learn of it, or the others would wait forever
+            outcome = ("error", f"loading checkpoint {path} failed on rank 0: {type(exc).__name__}: {exc}")
+    status, payload = backend.broadcast_object(outcome, 0, None, name="hvdp.checkpoint.load")
+    if status != "ok":
+        raise CheckpointError(payload)
+    backend.broadcast_state(model, optimizer, 0, None)
+    loaded: Dict[str, Any] = payload
+    return loaded
