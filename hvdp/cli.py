@@ -12,6 +12,9 @@ from hvdp.errors import HvdpError
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hvdp", description="Data-parallel training over Horovod, for PyTorch and TensorFlow.")
+    from hvdp import __version__
+
+    parser.add_argument("--version", action="version", version=f"hvdp {__version__}")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
     sub.add_parser("run", help="launch a training script on N processes (see hvdp run --help)",
                    add_help=False)
@@ -70,9 +73,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 frameworks=[f.strip() for f in args.frameworks.split(",") if f.strip()] if args.frameworks else None,
                 gpu=args.gpu, xla=args.xla, mpi=not args.no_mpi, force=args.force,
             )
-            if args.jobs:
+            if args.jobs is not None:
                 if args.jobs < 1:
-                    raise build.BuildError(f"--jobs {args.jobs} must be at least 1.")
+                    raise build.BuildError(f"--jobs {args.jobs} must be at least 1 (the number of parallel "
+                                           "compile jobs); leave it out to use every core.")
                 options.jobs = args.jobs
             build.build(options, progress=lambda line: print(line, flush=True))
             return 0
