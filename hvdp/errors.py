@@ -48,3 +48,7 @@ class JobFailedError(HvdpError, RuntimeError):
 class ProcessSetError(HvdpError, ValueError):
     """A communicator or process set was defined or used wrongly (``hvdp.init(comm=...)``,
     ``hvdp.ProcessSet``, ``process_set=``)."""
+
+
+class BenchError(HvdpError, ValueError):
+    """``hvdp bench`` was given bad options, or a benchmark job failed."""

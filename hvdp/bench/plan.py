@@ -1,0 +1,161 @@
+"""What hvdp bench measures: its settings, the contenders of each comparison, and the plan of groups."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from hvdp.errors import BenchError
+
+SECTIONS = ("overhead", "native", "allreduce", "scaling")
+
+
+#: float32 allreduce sizes of the sweep, in bytes: 4 KB to 64 MB, by factors of 4.
+SWEEP_BYTES = tuple(4096 * 4 ** k for k in range(8))
+
+
+@dataclass
+class Settings:
+    """How much to measure."""
+
+    mode: str = "quick"
+    rounds: int = 2
+    warmup: int = 5
+    steps: int = 20
+    batch: int = 32
+    allreduce_budget: float = 0.15
+    sections: Tuple[str, ...] = SECTIONS
+
+
+@dataclass
+class Contender:
+    """One way of running the job: who reduces, on how many processes, under which launcher."""
+
+    label: str
+    impl: str  # hvdp | horovod | ddp | mwms | mpi4py | torchdist
+    framework: str = "torch"
+    np: int = 2
+    controller: str = "gloo"
+    knobs: str = "hvdp"  # hvdp: hvdp's environment; threads: only the thread counts; one-thread
+    model: str = "cnn"
+    task: str = "train"
+    env: Dict[str, str] = field(default_factory=dict)  # set as if by the user (overrides hvdp's defaults)
+
+
+@dataclass
+class Group:
+    """Contenders measured in one alternating run."""
+
+    name: str
+    contenders: List[Contender]
+    runs: Dict[str, List[Any]] = field(default_factory=dict)
+    rounds: Optional[int] = None  # overrides Settings.rounds
+
+
+def parse_sections(text: Optional[str]) -> Tuple[str, ...]:
+    """``--only a,b`` as a tuple of known sections, in the canonical order.
+
+    Example:
+        >>> parse_sections("scaling,overhead")
+        ('overhead', 'scaling')
+    """
+    if text is None:
+        return SECTIONS
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown or not names:
+        raise BenchError(f"--only {text!r}: unknown section {', '.join(map(repr, unknown)) or '(none given)'}. "
+                         f"Expected a comma-separated subset of: {', '.join(SECTIONS)}.")
+    return tuple(name for name in SECTIONS if name in names)
+
+
+def make_settings(quick: bool, rounds: Optional[int], steps: Optional[int], warmup: Optional[int],
+                  only: Optional[str]) -> Settings:
+    """The settings for ``--quick`` or the full run, with explicit overrides checked.
+
+    Example:
+        >>> make_settings(True, None, None, None, "native").sections
+        ('native',)
+    """
+    settings = Settings(mode="quick", rounds=2, warmup=2, steps=12, allreduce_budget=0.05) if quick else \
+        Settings(mode="full", rounds=3, warmup=5, steps=30, allreduce_budget=0.4)
+    for flag, value in (("--rounds", rounds), ("--steps", steps)):
+        if value is not None and value < 1:
+            raise BenchError(f"{flag} {value} must be at least 1; e.g. {flag} 3.")
+    if warmup is not None and warmup < 0:
+        raise BenchError(f"--warmup {warmup} must be 0 or more; e.g. --warmup 5.")
+    settings.rounds = rounds or settings.rounds
+    settings.steps = steps or settings.steps
+    settings.warmup = settings.warmup if warmup is None else warmup
+    settings.sections = parse_sections(only)
+    return settings
+
+
+def check_writable(path: Optional[str], flag: str) -> None:
+    """Fail before measuring, not after, when ``path`` cannot be written."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK) or \
+            (target.exists() and not os.access(target, os.W_OK)):
+        raise BenchError(f"{flag} {path!r} cannot be written (is the folder there and writable?). "
+                         f"Give a file in a writable folder, e.g. {flag} /tmp/bench{Path(path).suffix or '.json'}.")
+
+
+def plan(settings: Settings) -> List[Group]:
+    """The comparison groups to run for ``settings`` (quick: a subset touching every section)."""
+    sections = settings.sections
+    groups: List[Group] = []
+    quick = settings.mode == "quick"
+
+    def versus(framework: str, model: str, np_: int, controller: str) -> List[Contender]:
+        tag = f"{framework}/{model} np={np_} {controller}"
+        people: List[Contender] = []
+        want_native = "native" in sections and np_ == 2 and controller == "gloo"
+        if "overhead" in sections or want_native:
+            people.append(Contender(f"hvdp {tag}", "hvdp", framework, np_, controller, "hvdp", model))
+        # "Same knobs" on the reference CNN only (in a quick run, on torch only): it isolates hvdp's own code,
+        # which is the same whatever the model.
+        if "overhead" in sections and model == "cnn" and not (quick and framework == "tensorflow"):
+            people.append(Contender(f"horovod (same knobs) {tag}", "horovod", framework, np_, controller,
+                                    "hvdp", model))
+        if "overhead" in sections:
+            people.append(Contender(f"horovod (its defaults) {tag}", "horovod", framework, np_, controller,
+                                    "threads", model))
+        if want_native:
+            native = "ddp" if framework == "torch" else "mwms"
+            people.append(Contender(f"{native} {tag}", native, framework, np_, controller, "threads", model))
+        return people
+
+    frameworks = ("torch", "tensorflow")
+    if quick:
+        cases = [(fw, "cnn", 2, "gloo") for fw in frameworks]
+    else:
+        cases = [(fw, model, 2, "gloo") for fw in frameworks for model in ("cnn", "mlp", "resnet18")]
+        if "overhead" in sections:
+            cases += [(fw, "cnn", np_, ctl) for fw in frameworks for np_, ctl in ((2, "mpi"), (1, "gloo"),
+                                                                                   (1, "mpi"))]
+    for framework, model, np_, controller in cases:
+        people = versus(framework, model, np_, controller)
+        if len(people) > 1:
+            groups.append(Group(f"{framework}/{model} np={np_} {controller}", people))
+    if "scaling" in sections:
+        model = "cnn" if quick else "resnet18"
+        groups.append(Group(f"scaling torch/{model}", [
+            Contender(f"hvdp np=1 torch/{model}", "hvdp", "torch", 1, "gloo", "one-thread", model),
+            Contender(f"hvdp np=2 torch/{model}", "hvdp", "torch", 2, "gloo", "one-thread", model),
+        ]))
+    if "allreduce" in sections:
+        people = [Contender("hvdp.allreduce (gloo)", "hvdp", np=2, controller="gloo", task="allreduce")]
+        if not quick:
+            people.append(Contender("hvdp.allreduce (mpi)", "hvdp", np=2, controller="mpi", task="allreduce"))
+        people += [Contender("mpi4py Allreduce", "mpi4py", np=2, controller="mpi", knobs="threads",
+                             task="allreduce"),
+                   Contender("torch.distributed all_reduce (gloo)", "torchdist", np=2, knobs="threads",
+                             task="allreduce")]
+        # The sweep's own repetitions are many; in a quick run one round of each contender is enough.
+        groups.append(Group("allreduce", people, rounds=1 if quick else None))
+    return groups

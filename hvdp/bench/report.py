@@ -1,0 +1,238 @@
+"""hvdp bench's results: figures per comparison, targets, the printed table and the plot."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from hvdp.bench.plan import SWEEP_BYTES, Group, Settings
+from hvdp.bench.stats import algbw, busbw, efficiency, median, ratio
+from hvdp.errors import BenchError
+
+
+@dataclass
+class Target:
+    """One target of the issue, with its measured value."""
+
+    name: str
+    value: Optional[float]
+    op: str  # "<=" | "<" | ">="
+    threshold: float
+    note: str = ""
+
+    @property
+    def status(self) -> str:
+        """PASS, MISS, or n/a (not measured in this run)."""
+        if self.value is None:
+            return "n/a"
+        passed = {"<=": self.value <= self.threshold, "<": self.value < self.threshold,
+                  ">=": self.value >= self.threshold}[self.op]
+        return "PASS" if passed else "MISS"
+
+
+def summarize(groups: List[Group], settings: Settings) -> dict:
+    """Every figure of the run as one JSON-ready dict (medians, ratios, bandwidths, targets)."""
+    results: dict = {"groups": [], "allreduce": {}, "scaling": {}, "targets": []}
+    for group in groups:
+        if group.name == "allreduce":
+            results["allreduce"] = _allreduce_figures(group)
+            continue
+        figures: dict = {"name": group.name, "contenders": {}}
+        for contender in group.contenders:
+            records = group.runs.get(contender.label, [])
+            per_run = [median(rec["step_seconds"]) for rec in records]
+            step = median(per_run)
+            cpu = [rec["cpu_seconds_per_step"] for rec in records if "cpu_seconds_per_step" in rec]
+            figures["contenders"][contender.label] = {
+                "impl": contender.impl, "framework": contender.framework, "model": contender.model,
+                "np": contender.np, "controller": contender.controller, "knobs": contender.knobs,
+                "run_step_seconds": per_run, "step_seconds": step,
+                "examples_per_second": contender.np * settings.batch / step,
+                "cpu_seconds_per_step": median(cpu) if cpu else None,
+            }
+        figures["ratios"] = _ratios(group, figures["contenders"])
+        if group.name.startswith("scaling"):
+            one, two = (figures["contenders"][c.label]["examples_per_second"] for c in group.contenders)
+            results["scaling"] = {"model": group.contenders[0].model, "throughput_np1": one, "throughput_np2": two,
+                                  "efficiency": efficiency(one, two, 2)}
+        results["groups"].append(figures)
+    results["targets"] = [asdict(t) | {"status": t.status} for t in targets(results, settings)]
+    return results
+
+
+def _ratios(group: Group, contenders: Dict[str, dict]) -> Dict[str, float]:
+    by_role = {(c.impl, c.knobs): contenders[c.label]["step_seconds"] for c in group.contenders}
+    hvdp_step = by_role.get(("hvdp", "hvdp"))
+    out: Dict[str, float] = {}
+    if hvdp_step is None:
+        return out
+    for (impl, knobs), step in by_role.items():
+        if impl == "horovod":
+            key = "hvdp/horovod same knobs" if knobs == "hvdp" else "hvdp/horovod defaults"
+            out[key] = ratio(hvdp_step, step)
+        elif impl in ("ddp", "mwms"):
+            out[f"hvdp/{impl}"] = ratio(hvdp_step, step)
+    return out
+
+
+def _allreduce_figures(group: Group) -> dict:
+    figures: dict = {"bytes": list(SWEEP_BYTES), "impls": {}}
+    for contender in group.contenders:
+        records = group.runs.get(contender.label, [])
+        size = records[0]["size"] if records else 2
+        seconds = [median([median(rec["seconds"][str(n)]) for rec in records]) for n in SWEEP_BYTES]
+        alg = [algbw(n, s) for n, s in zip(SWEEP_BYTES, seconds)]
+        figures["impls"][contender.label] = {
+            "seconds": seconds, "algbw_GBps": [a / 1e9 for a in alg],
+            "busbw_GBps": [busbw(a, size) / 1e9 for a in alg], "np": size,
+        }
+    return figures
+
+
+def targets(results: dict, settings: Settings) -> List[Target]:
+    """The issue's targets, evaluated on what this run measured (None where it did not)."""
+
+    def worst(key: str, framework: str) -> Optional[float]:
+        values = [g["ratios"][key] for g in results["groups"] if key in g["ratios"]
+                  and g["name"].startswith(framework)]
+        return max(values) if values else None
+
+    def at(name_start: str, key: str) -> Optional[float]:
+        values = [g["ratios"][key] for g in results["groups"] if g["name"].startswith(name_start)
+                  and key in g["ratios"]]
+        return values[0] if values else None
+
+    found: List[Target] = []
+    for framework in ("torch", "tensorflow"):
+        found.append(Target(f"hvdp/horovod step time, same knobs, {framework} (worst group)",
+                            worst("hvdp/horovod same knobs", framework), "<=", 1.02))
+        found.append(Target(f"hvdp/horovod step time, hvdp defaults, {framework} (worst group)",
+                            worst("hvdp/horovod defaults", framework), "<", 1.0))
+    found.append(Target("hvdp/DDP step time, torch/cnn np=2", at("torch/cnn np=2 gloo", "hvdp/ddp"), "<=", 1.0))
+    found.append(Target("hvdp/MultiWorkerMirrored step time, tensorflow/cnn np=2",
+                        at("tensorflow/cnn np=2 gloo", "hvdp/mwms"), "<=", 1.0))
+    sweep = results.get("allreduce") or {}
+    impls = sweep.get("impls", {})
+    hvdp_bw = max((v["algbw_GBps"][-1] for k, v in impls.items() if k.startswith("hvdp")), default=None)
+    mpi_bw = impls.get("mpi4py Allreduce", {}).get("algbw_GBps", [None])[-1]
+    found.append(Target("hvdp.allreduce algbw at 64 MB / mpi4py",
+                        None if hvdp_bw is None or not mpi_bw else hvdp_bw / mpi_bw, ">=", 0.9))
+    scaling = results.get("scaling") or {}
+    found.append(Target(f"scaling efficiency 1->2 processes ({scaling.get('model', 'resnet18')})",
+                        scaling.get("efficiency"), ">=", 0.9,
+                        "" if scaling.get("model", "resnet18") == "resnet18" else "target is on resnet18"))
+    return found
+
+
+def format_table(results: dict) -> str:
+    """The run's figures as a plain-text table (what ``hvdp bench`` prints at the end)."""
+    lines = [f"hvdp bench ({results.get('mode', '?')}: {results.get('rounds', '?')} rounds x "
+             f"{results.get('steps', '?')} steps, {results.get('warmup', '?')} warm-up; "
+             f"{results.get('date', '')}; {results.get('machine', {}).get('description', '')})", ""]
+    for group in results["groups"]:
+        lines.append(f"{group['name']}")
+        for label, fig in group["contenders"].items():
+            runs = " ".join(f"{s * 1e3:.1f}" for s in fig["run_step_seconds"])
+            cpu = fig.get("cpu_seconds_per_step")
+            cpu_text = f"  CPU {cpu * 1e3:6.1f} ms" if cpu is not None else ""
+            lines.append(f"  {label:<50} {fig['step_seconds'] * 1e3:8.1f} ms  {fig['examples_per_second']:8.1f} ex/s"
+                         f"{cpu_text}   runs: {runs}")
+        for key, value in group["ratios"].items():
+            lines.append(f"  ratio {key:<44} {value:8.3f}")
+        lines.append("")
+    sweep = results.get("allreduce")
+    if sweep:
+        names = list(sweep["impls"])
+        lines.append("allreduce float32, np=2: algbw / busbw GB/s")
+        lines.append("  " + f"{'bytes':>10}" + "".join(f"  {name[:30]:>30}" for name in names))
+        for i, nbytes in enumerate(sweep["bytes"]):
+            cells = "".join(f"  {sweep['impls'][n]['algbw_GBps'][i]:>14.3f} / "
+                            f"{sweep['impls'][n]['busbw_GBps'][i]:<13.3f}" for n in names)
+            lines.append(f"  {_human(nbytes):>10}{cells}")
+        lines.append("")
+    scaling = results.get("scaling")
+    if scaling:
+        lines.append(f"scaling {scaling['model']}: T1 {scaling['throughput_np1']:.1f} ex/s, "
+                     f"T2 {scaling['throughput_np2']:.1f} ex/s, efficiency {scaling['efficiency']:.3f}")
+        lines.append("")
+    lines.append("targets")
+    for target in results["targets"]:
+        value = "-" if target["value"] is None else f"{target['value']:.3f}"
+        note = f"  ({target['note']})" if target.get("note") else ""
+        lines.append(f"  {target['status']:<5} {target['name']:<62} {value:>7} {target['op']} "
+                     f"{target['threshold']}{note}")
+    return "\n".join(lines)
+
+
+def _human(nbytes: int) -> str:
+    return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
+
+
+def plot(results: dict, path: str) -> None:
+    """Draw the ratios, the allreduce sweep and the scaling figure into ``path`` (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise BenchError("--plot needs matplotlib: pip install matplotlib (or leave out --plot).") from exc
+    bars = sum(len(group["ratios"]) for group in results["groups"])
+    fig, axes = plt.subplots(2, 2, figsize=(15, max(9.0, 5.0 + 0.25 * bars)),
+                             gridspec_kw={"height_ratios": [max(1.0, bars / 16), 1.0]})
+    for ax, keys, title in ((axes[0][0], ("hvdp/horovod same knobs", "hvdp/horovod defaults"),
+                             "Overhead: hvdp / plain Horovod step time"),
+                            (axes[0][1], ("hvdp/ddp", "hvdp/mwms"), "Versus native: hvdp / native step time")):
+        labels, values = [], []
+        for group in results["groups"]:
+            for key in keys:
+                if key in group["ratios"]:
+                    labels.append(f"{group['name']}: {key.split('/', 1)[1]}")
+                    values.append(group["ratios"][key])
+        ax.barh(range(len(values)), values, color=["tab:green" if v <= 1.0 else "tab:red" for v in values])
+        ax.set_yticks(range(len(values)), labels, fontsize=7)
+        ax.axvline(1.0, color="black", lw=1)
+        ax.set_title(title)
+        ax.set_xlabel("step-time ratio (< 1: hvdp faster)")
+    ax = axes[1][0]
+    sweep = results.get("allreduce") or {}
+    for name, fig_ in sweep.get("impls", {}).items():
+        ax.plot(sweep["bytes"], fig_["algbw_GBps"], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes (float32)")
+    ax.set_ylabel("algbw GB/s")
+    ax.set_title("Allreduce, np=2")
+    if sweep:
+        ax.legend(fontsize=7)
+    ax = axes[1][1]
+    scaling = results.get("scaling") or {}
+    if scaling:
+        ax.bar(["np=1", "np=2", "ideal np=2"],
+               [scaling["throughput_np1"], scaling["throughput_np2"], 2 * scaling["throughput_np1"]],
+               color=["tab:blue", "tab:blue", "lightgray"])
+        ax.set_title(f"Scaling {scaling['model']}: efficiency {scaling['efficiency']:.2f}")
+        ax.set_ylabel("examples / s")
+    fig.suptitle(f"hvdp bench ({results.get('mode')}), {results.get('date')}, "
+                 f"{results.get('machine', {}).get('description', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    cpus = os.cpu_count() or 1
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpus": cpus, "cpu_model": model, "platform": platform.platform(), "python": platform.python_version(),
+            "description": f"{cpus} CPUs{', ' + model if model else ''}"}

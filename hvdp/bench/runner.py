@@ -1,0 +1,146 @@
+"""How hvdp bench runs a contender: the command and environment of each job, started in turn, round after round."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Tuple
+
+from hvdp.bench.plan import SWEEP_BYTES, Contender, Group, Settings
+from hvdp.bench.stats import median
+from hvdp.errors import BenchError
+
+#: Thread variables every contender gets (the same as hvdp's launcher sets).
+THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+
+
+#: Seconds one contender's job may take before the bench gives up on it.
+JOB_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def hvdp_env(contender: Contender, environ: Mapping[str, str], cpu_count: int) -> Tuple[List[str], Dict[str, str]]:
+    """hvdp's own horovodrun command and environment for a worker (hvdp's defaults included)."""
+    from hvdp import launch
+
+    args = launch.parse_run_args(["-np", str(contender.np), f"--{contender.controller}",
+                                  "--framework", contender.framework, sys.executable, "-m", "hvdp.bench.worker"],
+                                 arity={})
+    return launch.build_command(args, environ, cpu_count, launch.horovodrun_path())
+
+
+def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str, str],
+        cpu_count: int) -> Tuple[List[List[str]], Dict[str, str], List[Dict[str, str]]]:
+    """The command(s) and environment starting ``contender``: (argvs, common env, per-process env).
+
+    One argv for launchers (hvdp run, horovodrun, torchrun); one per process for
+    MultiWorkerMirroredStrategy, each with its TF_CONFIG.
+    """
+    base = dict(environ)
+    for var in ("HVDP_FRAMEWORK", "KERAS_BACKEND"):
+        base.pop(var, None)
+    base.update(contender.env)
+    if contender.knobs == "one-thread":
+        base.update({var: "1" for var in THREAD_VARS})
+    hvdp_argv, hvdp_set = hvdp_env(contender, base, cpu_count)
+    if contender.knobs == "threads":
+        knobs = {var: hvdp_set[var] for var in THREAD_VARS if var in hvdp_set}
+    else:
+        knobs = dict(hvdp_set)
+    if contender.framework == "tensorflow":
+        knobs["KERAS_BACKEND"] = "tensorflow"
+        knobs.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    worker = ["--impl", contender.impl, "--framework", contender.framework, "--model", contender.model,
+              "--batch", str(settings.batch), "--warmup", str(settings.warmup), "--steps", str(settings.steps),
+              "--out", out]
+    if contender.task == "allreduce":
+        worker = ["--impl", contender.impl, "--sizes", ",".join(map(str, SWEEP_BYTES)),
+                  "--budget", str(settings.allreduce_budget), "--out", out]
+    worker = [contender.task, *worker]
+    python = [sys.executable, "-m", "hvdp.bench.worker"]
+    env = {**base, **knobs, "PYTHONUNBUFFERED": "1"}
+    if contender.impl == "hvdp":
+        return [hvdp_argv + worker], env, []
+    if contender.impl in ("horovod", "mpi4py"):
+        from hvdp import launch
+
+        argv = [launch.horovodrun_path(), "-np", str(contender.np), f"--{contender.controller}", *python, *worker]
+        return [argv], env, []
+    if contender.impl in ("ddp", "torchdist"):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(contender.np),
+                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "hvdp.bench.worker",
+                *worker]
+        return [argv], env, []
+    if contender.impl == "mwms":
+        ports = [_free_port() for _ in range(contender.np)]
+        cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+        per = [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
+               for i in range(contender.np)]
+        return [python + worker for _ in range(contender.np)], env, per
+    raise BenchError(f"unknown contender implementation {contender.impl!r}.")
+
+
+def run_contender(contender: Contender, settings: Settings, workdir: Path, environ: Mapping[str, str],
+                  cpu_count: int) -> dict:
+    """Start ``contender``'s job, wait for it, and return rank 0's record."""
+    out = workdir / f"result-{time.monotonic_ns()}.json"
+    argvs, env, per = job(contender, settings, str(out), environ, cpu_count)
+    log = workdir / "job.log"
+    with open(log, "w") as handle:
+        procs = [subprocess.Popen(argv, env={**env, **(per[i] if per else {})}, stdout=handle,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+                 for i, argv in enumerate(argvs)]
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(-1)
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    if any(codes) or not out.exists():
+        tail = log.read_text(errors="replace")[-3000:]
+        raise BenchError(f"{contender.label}: the job exited with {codes} and wrote no result. "
+                         f"Command: {' '.join(argvs[0])}\nLast output:\n{tail}")
+    record: dict = json.loads(out.read_text())
+    out.unlink()
+    return record
+
+
+def run_groups(groups: List[Group], settings: Settings, environ: Mapping[str, str], cpu_count: int,
+               progress: Callable[[str], None],
+               runner: Callable[[Contender, Settings, Path, Mapping[str, str], int], dict] = run_contender) -> None:
+    """Run each group's contenders in turn, ``settings.rounds`` times (A B C A B C ...)."""
+    with tempfile.TemporaryDirectory(prefix="hvdp-bench-") as tmp:
+        for group in groups:
+            rounds = group.rounds or settings.rounds
+            for r in range(rounds):
+                for contender in group.contenders:
+                    start = time.monotonic()
+                    record = runner(contender, settings, Path(tmp), environ, cpu_count)
+                    group.runs.setdefault(contender.label, []).append(record)
+                    progress(f"[{group.name}] round {r + 1}/{rounds}  {contender.label:<48} "
+                             f"{_brief(record)}  ({time.monotonic() - start:.0f} s)")
+
+
+def _brief(record: dict) -> str:
+    if "step_seconds" in record:
+        cpu = record.get("cpu_seconds_per_step")
+        return f"step {median(record['step_seconds']) * 1e3:7.1f} ms" + \
+            (f", rank 0 CPU {cpu * 1e3:6.1f} ms/step" if cpu is not None else "")
+    largest = max(record["seconds"], key=int)
+    return f"{int(largest) >> 20} MB in {median(record['seconds'][largest]) * 1e3:.1f} ms"

@@ -1,0 +1,69 @@
+"""Statistics of hvdp bench: medians, ratios, bandwidths, scaling efficiency."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Sequence
+
+from hvdp.errors import BenchError
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of ``values``; raises BenchError when there are none.
+
+    Example:
+        >>> median([3.0, 1.0, 2.0])
+        2.0
+    """
+    if not values:
+        raise BenchError("no measurements to take the median of; did every job fail?")
+    return float(statistics.median(values))
+
+
+def ratio(a: float, b: float) -> float:
+    """``a / b``, the step-time ratio of two contenders (below 1: ``a`` is faster).
+
+    Example:
+        >>> ratio(0.09, 0.1)
+        0.9
+    """
+    if not (b > 0 and math.isfinite(a) and math.isfinite(b)):
+        raise BenchError(f"cannot divide {a} by {b}: a step time must be a positive finite number.")
+    return round(a / b, 12)
+
+
+def algbw(nbytes: int, seconds: float) -> float:
+    """Algorithm bandwidth of an allreduce, bytes per second.
+
+    Example:
+        >>> algbw(1_000_000, 0.001)
+        1000000000.0
+    """
+    if seconds <= 0:
+        raise BenchError(f"allreduce time {seconds} must be positive.")
+    return nbytes / seconds
+
+
+def busbw(algbw_value: float, size: int) -> float:
+    """Bus bandwidth: ``algbw * 2 (n - 1) / n`` (what each rank's link carries in a ring allreduce).
+
+    Example:
+        >>> busbw(1.0e9, 2)
+        1000000000.0
+    """
+    if size < 1:
+        raise BenchError(f"process count {size} must be at least 1.")
+    return algbw_value * 2 * (size - 1) / size
+
+
+def efficiency(throughput_1: float, throughput_n: float, n: int = 2) -> float:
+    """Scaling efficiency ``T_n / (n T_1)``.
+
+    Example:
+        >>> efficiency(100.0, 190.0)
+        0.95
+    """
+    if throughput_1 <= 0 or n < 1:
+        raise BenchError(f"efficiency needs a positive np=1 throughput and n >= 1, got {throughput_1}, {n}.")
+    return throughput_n / (n * throughput_1)
