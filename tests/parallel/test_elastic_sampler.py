@@ -1,0 +1,45 @@
+"""hvdp.elastic.Sampler under `hvdp run --elastic`: 3 -> 2 -> 3 workers in the middle of an epoch,
+and still every example trained exactly once per epoch (torch, and Keras on TensorFlow)."""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+
+import pytest
+from harness import WORKERS, run_job
+
+N, EPOCHS = 240, 3  # as in workers/elastic_sampler.py
+
+
+@pytest.mark.parametrize("framework, model", [("torch", "torch"), ("tensorflow", "keras")])
+def test_three_two_three_workers_train_every_example_once_per_epoch(framework, model, tmp_path):
+    (tmp_path / "hosts").write_text(f"localhost:1\n127.0.0.1:1\n{socket.gethostname()}:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text('#!/bin/sh\ncat "$(dirname "$0")/hosts"\n')
+    discover.chmod(0o755)
+    job = run_job(["--elastic", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(discover),
+                   "--blacklist-cooldown-range", "1", "2", "--framework", framework,
+                   str(WORKERS / "elastic_sampler.py"), model], tmp_path, np_=3, timeout=300)
+    assert job.returncode == 0, job.output[-6000:]
+    assert [r["rank"] for r in job.ranks] == [0, 1, 2], job.output[-4000:]
+    assert [r["first_incarnation"] for r in job.ranks] == [True, True, False]  # rank 2 is the one that joined
+    log = job.ranks[0]["log"]
+    assert all(rank["log"] == log for rank in job.ranks)  # every worker ends with the same record
+    table = []
+    for epoch in range(EPOCHS):
+        steps = [(size, indices) for e, size, indices in log if e == epoch]
+        counts = Counter(i for _, indices in steps for i in indices)
+        assert sorted(counts) == list(range(N)), f"epoch {epoch}: missing {sorted(set(range(N)) - set(counts))}"
+        assert set(counts.values()) == {1}, f"epoch {epoch}: twice {[i for i, c in counts.items() if c > 1]}"
+        sizes = [size for size, _ in steps]
+        runs = [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s]
+        by_size = Counter()
+        for size, indices in steps:
+            by_size[size] += len(indices)
+        table.append((epoch, runs, dict(by_size), len(counts), sum(counts.values())))
+    assert table[1][1] == [3, 2, 3], table  # the middle epoch went 3 -> 2 -> 3 workers
+    assert table[0][1] == [3] and table[2][1] == [3]
+    print(f"\n{framework}/{model}: (epoch, workers over the epoch, examples per size, distinct, total)")
+    for row in table:
+        print("  ", row)

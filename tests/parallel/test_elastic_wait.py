@@ -1,0 +1,100 @@
+"""An elastic job left with fewer workers than --min-np, under `hvdp run --elastic`, for real.
+
+The discovery script lists names of this machine (localhost, 127.0.0.1), so Horovod treats
+them as separate hosts and blacklists only the failed worker's. What the user must see at
+once on the launcher's terminal: how many workers are left, which host was removed and why
+(the failed rank and its error), what the discovery script lists now, and how long the job
+will wait; then the same every 10 s; then, when --elastic-timeout runs out, one line naming
+the cause and a non-zero exit, or on Ctrl-C the whole job ended.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from harness import WORKERS
+from live_job import LiveJob, job_processes
+
+#: Measured: the message comes 1.5-2 s after the failure (the other workers must notice it first).
+MESSAGE_WITHIN_S = 15
+
+
+def discovery(tmp_path, hosts):
+    (tmp_path / "hosts").write_text("".join(f"{h}\n" for h in hosts))
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def failure(tmp_path):
+    when, rank = (tmp_path / "failed").read_text().split()
+    return float(when), int(rank)
+
+
+def test_one_of_two_hosts_fails_the_job_says_why_it_waits_then_ends_at_the_elastic_timeout(tmp_path):
+    """torch; 2 one-slot hosts, --min-np 2: the failed host is blacklisted for good, 1 worker is left."""
+    script = discovery(tmp_path, ["localhost:1", "127.0.0.1:1"])
+    job = LiveJob(["--elastic", "-np", "2", "--min-np", "2", "--elastic-timeout", "15", "--host-discovery-script",
+                   script, "--framework", "torch", str(WORKERS / "elastic_wait.py"), "torch", "127.0.0.1", "0"],
+                  tmp_path)
+    shown, first = job.wait_for(r"^hvdp run: the job is below --min-np 2", timeout=180)
+    failed_at, rank = failure(tmp_path)
+    assert first == "hvdp run: the job is below --min-np 2: 1 worker left, 1 usable slot(s) now."
+    assert 0 < shown - failed_at < MESSAGE_WITHIN_S
+    block = [line for when, line in job.lines if when >= shown][:4]
+    assert block[1] == (f"hvdp run:   removed 127.0.0.1 (rank {rank} raised RuntimeError: injected failure on "
+                        f"127.0.0.1), blacklisted for good (no --blacklist-cooldown-range)"), block
+    assert block[2] == "hvdp run:   the discovery script lists now: localhost:1, 127.0.0.1:1", block
+    assert block[3].startswith("hvdp run:   waiting up to 1") and \
+        block[3].endswith(" s more (--elastic-timeout 15) for 2 usable slots; Ctrl-C ends the job."), block
+    again, _ = job.wait_for(r"^hvdp run: the job is below --min-np 2", timeout=20, after=shown + 1)
+    assert 9 <= again - shown <= 13, again - shown  # every 10 s
+    code = job.wait(timeout=60)
+    ended = time.time()
+    last = job.output.strip().splitlines()[-1]
+    assert code != 0
+    assert last == ("hvdp: the elastic job was ended: it waited 15 s (--elastic-timeout) with 1 worker for 2 usable "
+                    "slots (--min-np) and the hosts offered 1. List more hosts in the discovery script, lower "
+                    "--min-np, or raise --elastic-timeout."), job.output[-3000:]
+    assert 15 <= ended - shown <= 15 + 10, ended - shown
+    assert not job_processes(tmp_path)
+    print(f"\nfailure -> message {shown - failed_at:.2f} s; message -> end {ended - shown:.2f} s; exit {code}")
+
+
+def test_one_worker_of_a_two_slot_host_fails_its_healthy_one_goes_too_and_ctrl_c_ends_the_wait(tmp_path):
+    """Keras on TensorFlow; hosts localhost:2 and 127.0.0.1:1, -np 3, --min-np 2: the failure on
+    localhost removes both of its workers (Horovod blacklists hosts), 1 worker is left."""
+    script = discovery(tmp_path, ["localhost:2", "127.0.0.1:1"])
+    job = LiveJob(["--elastic", "-np", "3", "--min-np", "2", "--host-discovery-script", script,
+                   "--blacklist-cooldown-range", "100", "200", "--framework", "tensorflow",
+                   str(WORKERS / "elastic_wait.py"), "keras", "localhost", "1"], tmp_path)
+    shown, first = job.wait_for(r"^hvdp run: the job is below --min-np 2", timeout=240)
+    failed_at, rank = failure(tmp_path)
+    assert first == "hvdp run: the job is below --min-np 2: 1 worker left, 1 usable slot(s) now."
+    assert 0 < shown - failed_at < MESSAGE_WITHIN_S
+    block = [line for when, line in job.lines if when >= shown][:4]
+    assert block[1].startswith(f"hvdp run:   removed localhost (rank {rank} raised RuntimeError: injected failure "
+                               f"on localhost; 1 healthy worker on it stopped too: Horovod removes whole hosts), "
+                               f"blacklisted until "), block
+    assert block[2] == "hvdp run:   the discovery script lists now: localhost:2, 127.0.0.1:1", block
+    assert "(--elastic-timeout 120)" in block[3], block  # hvdp's default
+    assert len(job_processes(tmp_path)) >= 2  # the driver and the worker left are waiting
+    sent = time.time()
+    job.proc.send_signal(signal.SIGINT)
+    code = job.wait(timeout=30)
+    took = time.time() - sent
+    time.sleep(0.3)
+    assert code == 128 + signal.SIGINT, job.output[-3000:]
+    assert job.output.strip().splitlines()[-1].startswith("hvdp run: stopped by SIGINT: ended horovodrun, rank")
+    assert took < 10, took
+    assert not job_processes(tmp_path)
+    print(f"\nfailure -> message {shown - failed_at:.2f} s; Ctrl-C -> end {took:.2f} s; exit {code}")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left(tmp_path):
+    yield
+    assert not job_processes(tmp_path)
