@@ -267,8 +267,8 @@ def _shared_folder_and_identical_replicas(request):
     folder.mkdir(parents=True, exist_ok=True)
     old = os.getcwd()
     os.chdir(folder)
-    _scene.clear()
-    _same["groups"] = None
+    # (pytest-markdown-docs sets this fixture up after the block's scene fixture and after reading
+    # the globals, just before the block runs: so the scene is reset at the end, not here)
     try:
         yield
         model = _scene.get("model")
@@ -280,6 +280,7 @@ def _shared_folder_and_identical_replicas(request):
     finally:
         os.chdir(old)
         _scene.clear()
+        _same["groups"] = None
 
 
 # --- which blocks run here, and the report ------------------------------------------------------
