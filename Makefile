@@ -1,7 +1,7 @@
 # The two commands a fresh machine needs (see README.md):
 #   make demo   set up everything, then train examples/train_digits.py on 2 processes, torch then TensorFlow
 #   make test   set up everything, then run the test suite
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test test-unit lint bench
 
 setup:
 	bash scripts/setup.sh
@@ -12,6 +12,9 @@ demo: setup
 
 test: setup
 	.venv/bin/python -m pytest tests
+
+test-unit: setup
+	.venv/bin/python -m pytest tests -m unit
 
 lint: setup
 	.venv/bin/ruff check hvdp tests examples
