@@ -11,8 +11,14 @@ always do, they write one JSON record per line to file descriptor N:
 - ``waiting``: the driver waits for slots (how many it needs, has, and for how long);
 - ``resumed`` / ``timeout``: the wait ended.
 
-Nothing here changes a decision of the driver; :class:`hvdp.supervise.ElasticReporter`
-reads the records and tells the user.
+:class:`hvdp.supervise.ElasticReporter` reads the records and tells the user.
+
+One repair: when a host is blacklisted while the job waits for slots (too few workers)
+and comes back from its cooldown before the wait ends, Horovod 0.28.1 still counts that
+host's old slots as running and starts no worker there; the workers left then wait for
+ranks that never come (Gloo gives up after 30 s) and the driver hangs. Here the slots of
+hosts blacklisted since the last assignment are dropped before the next one, as they are
+when the job does not wait, so their workers are started again.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import json
 import os
 import sys
 import threading
-from typing import IO, Any, Callable, Dict, List, Tuple
+from typing import IO, Any, Callable, Dict, List, Set, Tuple
 
 
 def install(events: IO[str]) -> None:
@@ -32,6 +38,7 @@ def install(events: IO[str]) -> None:
 
     lock = threading.Lock()
     failed_ranks: Dict[str, List[int]] = {}
+    blacklisted_since: Set[str] = set()
 
     def emit(**record: Any) -> None:
         with lock:
@@ -87,11 +94,20 @@ def install(events: IO[str]) -> None:
     def blacklist(original: Callable[..., Any], self: Any, host: str) -> Any:
         already = self.is_blacklisted(host)
         result = original(self, host)
+        blacklisted_since.add(host)
         if not already:
             until = self._hosts_state[host]._cooldown_period_end_ts
             emit(event="blacklisted", host=host, ranks=failed_ranks.get(host, []), until=until or None)
         return result
 
+    def update_host_assignments(original: Callable[..., Any], self: Any, current_hosts: Any) -> Any:
+        for host in list(self._host_assignments):
+            if self._host_manager.is_blacklisted(host) or host in blacklisted_since:
+                del self._host_assignments[host]  # its workers were stopped: start new ones when it is back
+        blacklisted_since.clear()
+        return original(self, current_hosts)
+
+    wrap(driver.ElasticDriver, "_update_host_assignments", update_host_assignments)
     wrap(driver.ElasticDriver, "wait_for_available_slots", wait_for_available_slots)
     wrap(driver.ElasticDriver, "_handle_worker_exit", handle_worker_exit)
     wrap(registration.WorkerStateRegistry, "_on_workers_recorded", on_workers_recorded)

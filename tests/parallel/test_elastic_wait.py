@@ -10,6 +10,7 @@ the cause and a non-zero exit, or on Ctrl-C the whole job ended.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -98,3 +99,30 @@ def test_one_worker_of_a_two_slot_host_fails_its_healthy_one_goes_too_and_ctrl_c
 def _nothing_left(tmp_path):
     yield
     assert not job_processes(tmp_path)
+
+
+def test_a_blacklisted_host_comes_back_after_its_cooldown_and_the_job_finishes(tmp_path):
+    """torch; the same two-slot host failure with --blacklist-cooldown-range 5 10: Horovod's first
+    cooldown is min(10, 2 * 5 + up to 5) = 10 s; then localhost's 2 slots are used again."""
+    script = discovery(tmp_path, ["localhost:2", "127.0.0.1:1"])
+    job = LiveJob(["--elastic", "-np", "3", "--min-np", "2", "--host-discovery-script", script,
+                   "--blacklist-cooldown-range", "5", "10", "--framework", "torch",
+                   str(WORKERS / "elastic_wait.py"), "torch", "localhost", "1", "60"], tmp_path)
+    shown, _ = job.wait_for(r"^hvdp run: the job is below --min-np 2", timeout=180)
+    failed_at, _ = failure(tmp_path)
+    until = job.wait_for(r"^hvdp run:   removed localhost .* blacklisted until ", timeout=5)[1]
+    back, line = job.wait_for(r"^hvdp run: enough slots again", timeout=60)
+    assert line == "hvdp run: enough slots again (3 for --min-np 2); the job goes on.", line
+    code = job.wait(timeout=120)
+    assert code == 0, job.output[-4000:]
+    ranks = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+    assert [r["rank"] for r in ranks] == [0, 1, 2] and all((r["step"], r["size"]) == (60, 3) for r in ranks), ranks
+    # One worker was there from the start (it waited, at 1 < --min-np, without training); two joined.
+    started = sorted(r["sizes"][0][1] for r in ranks)
+    assert started[0] < failed_at < back < started[1] <= started[2], (started, failed_at, back)
+    assert all([size for size, _ in r["sizes"]] == [3] for r in ranks), ranks
+    # The host is blacklisted 1.5-7 s after the failure (once the others have noticed it), then
+    # 10 s of cooldown and up to 1 s for the discovery script to be run again.
+    assert 10 <= back - failed_at <= 10 + 20, back - failed_at
+    print(f"\nfailure -> message {shown - failed_at:.2f} s ({until.split('blacklisted ')[1]}); "
+          f"failure -> 3 workers again {back - failed_at:.2f} s; exit {code}")

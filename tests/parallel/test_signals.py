@@ -21,27 +21,11 @@ from typing import List, Optional
 
 import pytest
 from harness import HVDP, REPO, WORKERS
+from live_job import job_processes
 
 #: The issue's bound: everything ends within 10 s of the signal (measured: 0.1-1 s, 5-6 s with SIGKILL).
 END_WITHIN_S = 10
 START_TIMEOUT_S = 120
-
-
-def job_processes(out_dir: Path) -> List[int]:
-    """Every live process whose environment names ``out_dir`` (so: part of this test's job)."""
-    marker = f"HVDP_TEST_OUT={out_dir}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                status = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if status != "Z":
-                    found.append(int(entry.name))
-        except OSError:
-            pass
-    return found
 
 
 def alive(pid: int) -> bool:
