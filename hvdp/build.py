@@ -46,7 +46,7 @@ HOROVOD_VERSION = "0.28.1"
 SDIST_NAME = f"horovod-{HOROVOD_VERSION}.tar.gz"
 SDIST_SHA256 = "92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
 #: Bump whenever the patches below change, so cached wheels are rebuilt.
-PATCH_LEVEL = 3
+PATCH_LEVEL = 4
 #: Python packages Horovod's setup.py imports (we build without isolation).
 BUILD_REQUIREMENTS = ["cloudpickle", "psutil", "pyyaml", "packaging", "setuptools", "wheel"]
 #: Where the record of the installed build lives, inside the horovod package.
@@ -64,6 +64,152 @@ class Patch:
     old: str
     new: str
     why: str
+
+
+def _insertion(name: str) -> str:
+    """The text of hvdp/horovod_patches/NAME.py, which a patch inserts into a Horovod module."""
+    return "\n\n" + (Path(__file__).parent / "horovod_patches" / f"{name}.py").read_text()
+
+
+_TF = "horovod/tensorflow/__init__.py"
+_KERAS = "horovod/_keras/__init__.py"
+_CALLBACKS = "horovod/_keras/callbacks.py"
+_LR_GET = "self.backend.get_value(self.model.optimizer.lr)"
+
+#: Horovod's TensorFlow and Keras layers on TensorFlow >= 2.16 / Keras 3 (unpatched, they fail
+#: on Keras 3 variables or, for the Keras DistributedOptimizer, train without averaging).
+KERAS3_PATCHES = (
+    Patch("horovod/tensorflow/util.py",
+          "    return refs.deref()\n",
+          "    return refs.deref()\n" + _insertion("tf_util"),
+          "as_tf_variable(): the tf.Variable behind a Keras 3 variable, which has no ref() or device"),
+    Patch("horovod/tensorflow/util.py", "    return vars.ref()\n", "    return as_tf_variable(vars).ref()\n",
+          "groups= of DistributedGradientTape/DistributedOptimizer accept Keras 3 variables"),
+    Patch(_TF, "_make_subgraph, _cache, vars_to_refs, refs_to_vars\n",
+          "_make_subgraph, _cache, vars_to_refs, refs_to_vars, as_tf_variable\n",
+          "horovod.tensorflow uses as_tf_variable()"),
+    Patch(_TF, "            gradients = super(self.__class__, self).gradient(target, sources, output_gradients)\n",
+          "            sources = [as_tf_variable(s) for s in sources]\n"
+          "            gradients = super(self.__class__, self).gradient(target, sources, output_gradients)\n",
+          "DistributedGradientTape.gradient() on Keras 3 variables failed: 'Variable' object has no "
+          "attribute 'ref' (horovod issue 4290)"),
+    Patch(_TF, "self._local_sources.add(source.ref())", "self._local_sources.add(as_tf_variable(source).ref())",
+          "register_local_source() and PartialDistributedGradientTape accept Keras 3 variables"),
+    Patch(_TF, "is_local_source = s.ref() in self._local_sources if",
+          "is_local_source = as_tf_variable(s).ref() in self._local_sources if",
+          "get_local_and_global_gradients() accepts Keras 3 variables"),
+    Patch("horovod/tensorflow/functions.py",
+          "from horovod.tensorflow.util import _cache, _executing_eagerly, _make_subgraph\n",
+          "from horovod.tensorflow.util import _cache, _executing_eagerly, _make_subgraph, as_tf_variable\n",
+          "broadcast_variables uses as_tf_variable()"),
+    Patch("horovod/tensorflow/functions.py", "    if inplace:\n        vars_by_device = {}\n",
+          "    variables = [as_tf_variable(var) for var in variables]\n"
+          "    if inplace:\n        vars_by_device = {}\n",
+          "broadcast_variables() on Keras 3 variables failed (a tf.function received them as tensors "
+          "it could not assign; inplace=True found no .device)"),
+    Patch("horovod/tensorflow/sync_batch_norm.py",
+          "    super(SyncBatchNormalization, self).__init__(fused=fused, **kwargs)\n",
+          "    import inspect\n"
+          "    if 'fused' in inspect.signature(tf.keras.layers.BatchNormalization.__init__).parameters:\n"
+          "      super(SyncBatchNormalization, self).__init__(fused=fused, **kwargs)\n"
+          "    else:  # Keras 3 has no fused kernel to turn off\n"
+          "      super(SyncBatchNormalization, self).__init__(**kwargs)\n",
+          "SyncBatchNormalization() failed on Keras 3: BatchNormalization no longer takes fused"),
+    Patch("horovod/tensorflow/sync_batch_norm.py",
+          "  def _moments(self, inputs, reduction_axes, keep_dims, **kwargs):\n"
+          '    """Compute the mean and variance: it overrides the original _moments."""\n'
+          "    worker_mean, worker_variance = super(SyncBatchNormalization, self)._moments(\n"
+          "      inputs, reduction_axes, keep_dims=keep_dims, **kwargs)\n",
+          "  def _moments(self, inputs, *args, **kwargs):\n"
+          '    """Compute the mean and variance: it overrides the original _moments."""\n'
+          "    # Keras 2 passes (reduction_axes, keep_dims), Keras 3 passes (mask).\n"
+          "    worker_mean, worker_variance = super(SyncBatchNormalization, self)._moments(\n"
+          "      inputs, *args, **kwargs)\n",
+          "SyncBatchNormalization synchronizes its statistics with Keras 3's _moments(inputs, mask)"),
+    Patch("horovod/tensorflow/sync_batch_norm.py",
+          "  def call(self, *args, **kwargs):\n"
+          "    outputs = super(SyncBatchNormalization, self).call(*args, **kwargs)\n",
+          "  def call(self, inputs, training=None, **kwargs):\n"
+          "    outputs = super(SyncBatchNormalization, self).call(inputs, training=training, **kwargs)\n",
+          "SyncBatchNormalization could not be built on Keras 3, and would never have trained: Keras 3 reads "
+          "the input's name and whether to pass training= from call()'s signature"),
+    Patch(_KERAS, "class CallableList(list):",
+          _insertion("keras_optimizer").lstrip("\n") + "\n\nclass CallableList(list):",
+          "Keras 3 DistributedOptimizer and load_model (hvdp/horovod_patches/keras_optimizer.py)"),
+    Patch(_KERAS, "    class _DistributedOptimizer(*optimizer.__class__.__bases__):\n",
+          "    if is_keras3_optimizer(optimizer):\n"
+          "        return create_keras3_distributed_optimizer(\n"
+          "            optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,\n"
+          "            gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,\n"
+          "            groups, process_set, scale_local_gradients)\n\n"
+          "    class _DistributedOptimizer(*optimizer.__class__.__bases__):\n",
+          "horovod.tensorflow.keras.DistributedOptimizer on a Keras 3 optimizer trained without "
+          "averaging gradients (model.fit and custom loops): it now reduces them in every update"),
+    Patch(_KERAS, "    if legacy_opts:\n"
+          "        keras_subclasses = keras.optimizers.legacy.Optimizer.__subclasses__()\n",
+          "    if is_keras3(keras):\n"
+          "        return load_keras3_model(keras, wrap_optimizer, filepath, custom_optimizers, custom_objects,\n"
+          "                                 legacy_opts)\n"
+          "    if legacy_opts:\n        keras_subclasses = keras.optimizers.legacy.Optimizer.__subclasses__()\n",
+          "load_model() on Keras 3 wraps the loaded optimizer, its state kept (Keras 3 deserializes "
+          "classes, not Horovod's factory functions)"),
+    Patch(_CALLBACKS, "                  (epoch + 1, new_lr))\n",
+          "                  (epoch + 1, new_lr))\n" + _insertion("keras_callbacks"),
+          "what Horovod's Keras callbacks need under Keras 3 (hvdp/horovod_patches/keras_callbacks.py)"),
+    Patch(_CALLBACKS, "        self._local_vars.add(var.ref())\n", "        self._local_vars.add(variable_ref(var))\n",
+          "BroadcastGlobalVariablesCallback(local_variables=) accepts Keras 3 variables"),
+    Patch(_CALLBACKS,
+          "                broadcast_vars = [var for var in self.model.variables "
+          "if var.ref() not in self._local_vars]\n"
+          "                hvd.broadcast_variables(broadcast_vars,\n"
+          "                                        root_rank=self.root_rank)\n"
+          "                hvd.broadcast_variables(self.model.optimizer.variables(),\n",
+          "                broadcast_vars = [var for var in self.model.variables\n"
+          "                                  if variable_ref(var) not in self._local_vars]\n"
+          "                hvd.broadcast_variables(broadcast_vars,\n"
+          "                                        root_rank=self.root_rank)\n"
+          "                hvd.broadcast_variables(optimizer_variables(self.model.optimizer),\n",
+          "BroadcastGlobalVariablesCallback failed on Keras 3 ('list' object is not callable)"),
+    Patch(_CALLBACKS, "    def on_batch_end(self, batch, logs=None):\n        if self.broadcast_done:\n",
+          "    def on_train_begin(self, logs=None):\n"
+          "        # Keras 3 can build the optimizer before the first step: broadcasting then makes the\n"
+          "        # first step start from the root rank's state too (after it, that step differed).\n"
+          "        if not self.broadcast_done and hvd._executing_eagerly() and keras3_prebuild(self.model):\n"
+          "            self.on_batch_end(0, logs)\n\n"
+          "    def on_batch_end(self, batch, logs=None):\n        if self.broadcast_done:\n",
+          "BroadcastGlobalVariablesCallback broadcasts before the first step under Keras 3"),
+    Patch(_CALLBACKS,
+          f"        old_lr = {_LR_GET}\n"
+          "        new_lr = self.initial_lr * self.multiplier(epoch)\n"
+          "        self.backend.set_value(self.model.optimizer.lr, new_lr)\n\n"
+          "        if hasattr(self.model.optimizer, 'momentum') and self.momentum_correction:\n",
+          "        old_lr = self.backend.get_value(learning_rate_of(self.model.optimizer))\n"
+          "        new_lr = self.initial_lr * self.multiplier(epoch)\n"
+          "        self.backend.set_value(learning_rate_of(self.model.optimizer), new_lr)\n\n"
+          "        if self.momentum_correction and momentum_is_variable(self.model.optimizer):\n",
+          "learning rate callbacks set Keras 3's learning_rate (there is no lr) and skip momentum correction "
+          "where Keras 3 compiled momentum as a constant, with a warning"),
+    Patch(_CALLBACKS, f"            self.initial_lr = {_LR_GET}\n",
+          "            self.initial_lr = self.backend.get_value(learning_rate_of(self.model.optimizer))\n",
+          "learning rate callbacks read Keras 3's learning_rate"),
+    Patch(_CALLBACKS, f"            logs['lr'] = {_LR_GET}\n",
+          "            logs['lr'] = self.backend.get_value(learning_rate_of(self.model.optimizer))\n",
+          "learning rate callbacks log Keras 3's learning_rate"),
+    Patch(_CALLBACKS, f"            new_lr = {_LR_GET}\n",
+          "            new_lr = self.backend.get_value(learning_rate_of(self.model.optimizer))\n",
+          "the warmup callback reads Keras 3's learning_rate"),
+    Patch("horovod/tensorflow/keras/callbacks.py", "from horovod._keras import callbacks as _impl\n",
+          "from horovod._keras import callbacks as _impl\nK = _impl.keras2_backend(K)\n",
+          "Horovod's Keras callbacks get get_value/set_value/constant, which keras.backend lost in Keras 3"),
+    Patch("horovod/tensorflow/keras/callbacks.py",
+          "        elif isinstance(local_variables, tf.Variable):\n"
+          "            local_variables = [local_variables]\n"
+          "        elif not all(isinstance(var, tf.Variable) for var in local_variables):\n",
+          "        elif _impl.is_variable(local_variables):\n"
+          "            local_variables = [local_variables]\n"
+          "        elif not all(_impl.is_variable(var) for var in local_variables):\n",
+          "BroadcastGlobalVariablesCallback(local_variables=) accepts Keras 3 variables"),
+)
 
 
 PATCHES = (
@@ -89,6 +235,7 @@ PATCHES = (
           "  global_ranks_.resize(size_);",
           "the Gloo controller's rank list stayed empty, so its stall inspector checked no rank "
           "and a stalled Gloo job hung forever"),
+    *KERAS3_PATCHES,
 )
 
 
@@ -274,13 +421,87 @@ def gpu_environment(frameworks: Dict[str, str], environ: Optional[Mapping[str, s
 
 
 def find_cuda_home(environ: Mapping[str, str]) -> Optional[str]:
-    """``CUDA_HOME`` (or ``HOROVOD_CUDA_HOME``), else the toolkit of the ``nvcc`` on ``PATH`` or in /usr/local/cuda."""
+    """``CUDA_HOME`` (or ``HOROVOD_CUDA_HOME``), else the toolkit of the ``nvcc`` on ``PATH`` or in
+    /usr/local/cuda, else the toolkit of PyPI's nvcc wheel (see :func:`pip_cuda_home`)."""
     explicit = environ.get("CUDA_HOME") or environ.get("HOROVOD_CUDA_HOME")
     if explicit:
         return explicit
     nvcc = shutil.which("nvcc", path=environ.get("PATH")) or next(
         (p for p in ["/usr/local/cuda/bin/nvcc"] if Path(p).exists()), None)
-    return str(Path(nvcc).resolve().parent.parent) if nvcc else None
+    if nvcc:
+        root = Path(nvcc).resolve().parent.parent
+        if root.parent.name != "nvidia":  # a toolkit installed as such, not a pip wheel's folder
+            return str(root)
+        return pip_cuda_home(root.parent)
+    nvidia = _site_dir("nvidia")
+    return pip_cuda_home(nvidia) if nvidia else None
+
+
+#: Folders of PyPI's CUDA wheels (under site-packages/nvidia) that hold parts of the toolkit.
+#: CUDA 13's wheels (nvidia-cuda-nvcc, -runtime, -cccl, -crt, nvidia-nvvm) all unpack into
+#: one folder, ``nvidia/cu13``; CUDA 12's each have their own (``cuda_nvcc``, ``cuda_runtime``, ...).
+_PIP_CUDA_FOLDER = re.compile(r"cu\d+|cuda_\w+")
+
+
+def pip_cuda_roots(nvidia: Path) -> List[Path]:
+    """The folders under ``nvidia`` that make a CUDA toolkit, the one with ``bin/nvcc`` first.
+
+    Empty when no nvcc wheel is installed. When several CUDA versions are (``cu12``,
+    ``cu13``), the newest one that has nvcc and only it.
+    """
+    if not nvidia.is_dir():
+        return []
+    folders = sorted(p for p in nvidia.iterdir() if p.is_dir() and _PIP_CUDA_FOLDER.fullmatch(p.name))
+    versioned = [p for p in folders if p.name.startswith("cu") and not p.name.startswith("cuda_")]
+    with_nvcc = [p for p in versioned if (p / "bin" / "nvcc").is_file()]
+    if with_nvcc:
+        return [max(with_nvcc, key=lambda p: int(p.name[2:]))]
+    split = [p for p in folders if p.name.startswith("cuda_")]
+    nvcc = [p for p in split if (p / "bin" / "nvcc").is_file()]
+    return nvcc + [p for p in split if p not in nvcc] if nvcc else []
+
+
+def pip_cuda_home(nvidia: Path) -> Optional[str]:
+    """A CUDA_HOME made of links to PyPI's CUDA wheels under ``nvidia``, or None without nvcc.
+
+    The wheels are not laid out as a toolkit: their libraries are in ``lib`` (CMake
+    and torch look in ``lib64``) and only versioned (``libcudart.so.13``, no
+    ``libcudart.so`` to link with), and CUDA 12's are split over several folders.
+    The folder, in the cache and named by the wheels' location, has ``bin``,
+    ``nvvm`` and ``include`` with a link per entry, and ``lib64`` (``lib`` links to
+    it) with a link per library plus ``libX.so`` for each ``libX.so.N``.
+    """
+    roots = pip_cuda_roots(nvidia)
+    if not roots:
+        return None
+    tag = hashlib.sha256("\n".join(str(p) for p in roots).encode()).hexdigest()[:12]
+    return str(assemble_cuda_home(roots, cache_dir() / "cuda" / f"{roots[0].name}-{tag}"))
+
+
+def assemble_cuda_home(roots: Sequence[Path], home: Path) -> Path:
+    """Fill ``home`` with links to the toolkit parts in ``roots`` (the first one wins a name)."""
+    if home.is_symlink() or home.is_file():
+        home.unlink()
+    elif home.exists():
+        shutil.rmtree(home)
+    for part in ("bin", "nvvm", "include", "lib64"):
+        (home / part).mkdir(parents=True)
+    (home / "lib").symlink_to("lib64")
+    for root in roots:
+        for part, into in (("bin", "bin"), ("nvvm", "nvvm"), ("include", "include"), ("lib", "lib64"),
+                           ("lib64", "lib64")):
+            source = root / part
+            if not source.is_dir() or source.is_symlink():
+                continue
+            for entry in sorted(source.iterdir()):
+                link = home / into / entry.name
+                if not (link.exists() or link.is_symlink()):
+                    link.symlink_to(entry)
+    for library in sorted((home / "lib64").glob("lib*.so.*")):
+        plain = library.parent / (library.name.split(".so.")[0] + ".so")
+        if not (plain.exists() or plain.is_symlink()):
+            plain.symlink_to(library.name)
+    return home
 
 
 def find_nccl_home(cuda_home: Optional[str], environ: Mapping[str, str]) -> Optional[str]:
@@ -331,6 +552,8 @@ def build_environment(options: BuildOptions, frameworks: Dict[str, str], environ
     env = dict(environ)
     if options.gpu and gpu_env:
         env.update(gpu_env)
+        # torch.utils.cpp_extension (which Horovod's CMake asks whether torch has CUDA) reads CUDA_HOME.
+        env["CUDA_HOME"] = gpu_env["HOROVOD_CUDA_HOME"]
     env.update({
         "HOROVOD_WITH_GLOO": "1",
         "HOROVOD_WITHOUT_MXNET": "1",

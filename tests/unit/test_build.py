@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -54,6 +55,29 @@ def test_patches_make_cxx17_and_xla_opt_in(source):
     # Applying the patches twice fails loudly instead of silently doing nothing.
     with pytest.raises(BuildError, match="expected the line .* once, found it 0 times"):
         build.patch_source(source)
+
+
+def test_keras3_patches_leave_valid_python_that_never_imports_hvdp(tmp_path):
+    sdist = build.fetch_sdist(progress=lambda line: None)
+    with tarfile.open(sdist) as archive:
+        archive.extractall(tmp_path, filter="data")
+    root = tmp_path / f"horovod-{build.HOROVOD_VERSION}"
+    build.patch_source(root)
+    changed = sorted({patch.path for patch in build.KERAS3_PATCHES})
+    assert all(path.endswith(".py") for path in changed)
+    for path in changed:
+        text = (root / path).read_text()
+        compile(text, path, "exec")  # a SyntaxError fails the test
+        assert not re.search(r"^\s*(import|from)\s+hvdp\b", text, re.M), path
+    tape = (root / "horovod/tensorflow/__init__.py").read_text()
+    assert "sources = [as_tf_variable(s) for s in sources]" in tape
+    keras = (root / "horovod/_keras/__init__.py").read_text()
+    create = keras[keras.index("def create_distributed_optimizer("):]
+    # Keras 3 optimizers go to the Keras 3 wrapper before Horovod's Keras 2 class is even defined.
+    assert create.index("if is_keras3_optimizer(optimizer):") < create.index("class _DistributedOptimizer(")
+    assert "def _clip_gradients(self, grads" in keras
+    assert "fused=fused" in (root / "horovod/tensorflow/sync_batch_norm.py").read_text()
+    assert ".optimizer.lr" not in (root / "horovod/_keras/callbacks.py").read_text()
 
 
 def test_missing_toolchain_names_the_fix(monkeypatch, tmp_path):

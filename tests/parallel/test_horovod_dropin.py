@@ -1,0 +1,98 @@
+"""Existing Horovod scripts run unchanged on hvdp's Horovod build, Keras 3 included (np=2, Gloo and MPI).
+
+The workers use only Horovod's own API (import horovod.tensorflow.keras as hvd, ...), as a
+Horovod user's script does. Every rank starts from different weights and trains on different
+data; every rank must end identical to the others and equal, within rtol 1e-5, to one process
+(no Horovod) trained on the union of the ranks' batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import max_abs_diff, run_worker
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def keras_job(request, tmp_path_factory):
+    return run_worker("dropin_keras.py", request.param, "tensorflow", tmp_path_factory.mktemp("keras"))
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def tf_job(request, tmp_path_factory):
+    return run_worker("dropin_tf.py", request.param, "tensorflow", tmp_path_factory.mktemp("tf"))
+
+
+def _same_and_equal_to_one_process(ranks: list, key: str) -> None:
+    r0, r1 = (r[key] for r in ranks)
+    assert max_abs_diff(r0["after"], r1["after"]) <= 1e-6, key
+    for rank in (r0, r1):
+        assert rank["vs_union"]["close"], (key, rank["vs_union"])  # rtol 1e-5, atol 1e-6
+
+
+def test_keras_fit_with_distributed_optimizer_averages_from_different_initial_weights(keras_job):
+    r0, r1 = (r["fit"] for r in keras_job.ranks)
+    assert r0["before"] != r1["before"]  # different initial weights until BroadcastGlobalVariablesCallback
+    assert r0["moved"] > 1e-2
+    _same_and_equal_to_one_process(keras_job.ranks, "fit")
+    # The wrapped optimizer keeps its class (name and isinstance) and made one update per batch.
+    assert (r0["class"], r0["is_adam"], r0["iterations"]) == ("Adam", True, 6)
+    # MetricAverageCallback: the logged loss is the mean of the ranks' own losses.
+    assert r0["history"] == r1["history"] and r0["local_losses"] != r1["local_losses"]
+    for local0, local1, averaged in zip(r0["local_losses"], r1["local_losses"], r0["history"]):
+        assert averaged == pytest.approx((local0 + local1) / 2, rel=1e-6)
+
+
+def test_keras_custom_loop_apply_gradients_averages_eager_and_in_tf_function(keras_job):
+    r0, r1 = (r["custom_loop"] for r in keras_job.ranks)
+    assert r0["start"] == r1["start"]  # hvd.broadcast_variables on Keras 3 variables, opt.variables() too
+    _same_and_equal_to_one_process(keras_job.ranks, "custom_loop")
+    for rank in (r0, r1):  # a Keras 2 call Keras 3 cannot serve names its replacement
+        assert rank["get_gradients"].startswith("AttributeError: Keras 3 optimizers do not compute gradients")
+        assert "tf.GradientTape" in rank["get_gradients"] and "apply_gradients" in rank["get_gradients"]
+
+
+def test_keras_backward_passes_per_step_sums_passes_and_averages_ranks(keras_job):
+    _same_and_equal_to_one_process(keras_job.ranks, "accumulate")
+    assert {r["accumulate"]["iterations"] for r in keras_job.ranks} == {2}
+
+
+def test_keras_learning_rate_warmup_callback(keras_job):
+    lr0, lr1 = (r["warmup"]["lr"] for r in keras_job.ranks)
+    assert lr0 == lr1
+    # initial_lr 0.4 on 2 ranks, warmup over 2 epochs of 2 batches: from 0.4/2 up to 0.4, then kept.
+    assert lr0 == pytest.approx([0.25, 0.3, 0.35, 0.4, 0.4, 0.4], rel=1e-6)
+    assert keras_job.ranks[0]["warmup"]["after"] == keras_job.ranks[1]["warmup"]["after"]
+
+
+def test_keras_load_model_restores_a_distributed_optimizer_with_its_state(keras_job):
+    r0 = keras_job.ranks[0]["load_model"]
+    assert (r0["iterations_loaded"], r0["class"]) == (6, "Adam")
+    _same_and_equal_to_one_process(keras_job.ranks, "load_model")
+    for rank in keras_job.ranks:
+        assert rank["load_model"]["legacy"].startswith("ValueError: legacy_opts=True loads keras.optimizers.legacy")
+        assert "legacy_opts=False" in rank["load_model"]["legacy"]
+
+
+def test_tf_distributed_gradient_tape_on_keras3_variables(tf_job):
+    r0, r1 = (r["tape"] for r in tf_job.ranks)
+    assert r0["before"] != r1["before"] and r0["start"] == r1["start"]  # hvd.broadcast_variables
+    _same_and_equal_to_one_process(tf_job.ranks, "tape")
+    _same_and_equal_to_one_process(tf_job.ranks, "tape_in_function")
+
+
+def test_tf_broadcast_variables_inplace_on_keras3_variables(tf_job):
+    digests = {r["inplace"]["after"] for r in tf_job.ranks}
+    assert len(digests) == 1 and tf_job.ranks[0]["inplace"]["changed_on_rank1"]
+
+
+def test_tf_partial_tape_keeps_local_layer_gradients_local(tf_job):
+    for rank in tf_job.ranks:
+        assert rank["partial"]["local_is_own_over_size"]["close"], rank["partial"]
+        assert rank["partial"]["shared_is_average"]["close"], rank["partial"]
+
+
+def test_tf_sync_batch_normalization_equals_batch_norm_on_the_union(tf_job):
+    _same_and_equal_to_one_process(tf_job.ranks, "sync_bn")
+    for rank in tf_job.ranks:
+        assert rank["sync_bn"]["outputs_vs_union"]["close"], rank["sync_bn"]
+        assert rank["sync_bn"]["moving_vs_union"]["close"], rank["sync_bn"]
