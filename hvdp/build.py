@@ -421,20 +421,22 @@ def gpu_environment(frameworks: Dict[str, str], environ: Optional[Mapping[str, s
 
 
 def find_cuda_home(environ: Mapping[str, str]) -> Optional[str]:
-    """``CUDA_HOME`` (or ``HOROVOD_CUDA_HOME``), else the toolkit of the ``nvcc`` on ``PATH`` or in
-    /usr/local/cuda, else the toolkit of PyPI's nvcc wheel (see :func:`pip_cuda_home`)."""
+    """``CUDA_HOME`` (or ``HOROVOD_CUDA_HOME``), else the toolkit of the ``nvcc`` on ``PATH``, else
+    that of PyPI's nvcc wheel in this environment (see :func:`pip_cuda_home`), else /usr/local/cuda."""
     explicit = environ.get("CUDA_HOME") or environ.get("HOROVOD_CUDA_HOME")
     if explicit:
         return explicit
-    nvcc = shutil.which("nvcc", path=environ.get("PATH")) or next(
-        (p for p in ["/usr/local/cuda/bin/nvcc"] if Path(p).exists()), None)
+    nvcc = shutil.which("nvcc", path=environ.get("PATH"))
     if nvcc:
         root = Path(nvcc).resolve().parent.parent
         if root.parent.name != "nvidia":  # a toolkit installed as such, not a pip wheel's folder
             return str(root)
         return pip_cuda_home(root.parent)
     nvidia = _site_dir("nvidia")
-    return pip_cuda_home(nvidia) if nvidia else None
+    from_pip = pip_cuda_home(nvidia) if nvidia else None
+    if from_pip:
+        return from_pip
+    return "/usr/local/cuda" if Path("/usr/local/cuda/bin/nvcc").exists() else None
 
 
 #: Folders of PyPI's CUDA wheels (under site-packages/nvidia) that hold parts of the toolkit.
