@@ -14,7 +14,8 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from hvdp.errors import FrameworkError, NotInitializedError, ProcessSetError
 
@@ -32,8 +33,34 @@ INSTALL_HINT = {
 }
 _BACKEND_MODULE = {"torch": "hvdp.backends.torch", "tensorflow": "hvdp.backends.tensorflow"}
 
-_backend: Optional["Backend"] = None
-_generation = 0
+
+
+@dataclass
+class Job:
+    """Everything hvdp knows about this process's job, in one object (tests build fresh ones).
+
+    Attributes:
+        backend: the loaded backend (it stays loaded across shutdown/init).
+        generation: changes at every start and shutdown; process sets registered in an
+            earlier generation are stale.
+        dynamic_sets: whether process sets may be added while the job runs.
+        unnamed: per (generation, process set) count of unnamed collectives.
+        exit_handler: whether the at-exit shutdown is registered.
+    """
+
+    backend: Optional["Backend"] = None
+    generation: int = 0
+    dynamic_sets: bool = False
+    unnamed: Dict[Tuple[int, Optional[Tuple[int, ...]]], int] = field(default_factory=dict)
+    exit_handler: bool = False
+
+
+_job = Job()
+
+
+def job() -> Job:
+    """This process's :class:`Job`."""
+    return _job
 
 
 def check_name(name: object, source: str) -> str:
@@ -164,15 +191,15 @@ def activate(
     Returns:
         The backend's handle of each process set, or None when hvdp was already running.
     """
-    global _backend, _generation
+    state = _job
     name = resolve(requested)
-    if _backend is not None:
-        if _backend.name != name:
+    if state.backend is not None:
+        if state.backend.name != name:
             raise FrameworkError(
-                f"hvdp is already initialized with {_backend.name!r}; cannot switch "
+                f"hvdp is already initialized with {state.backend.name!r}; cannot switch "
                 f"to {name!r} in the same process. Call hvdp.shutdown() first."
             )
-        if _backend.is_initialized():
+        if state.backend.is_initialized():
             if comm is not None or process_sets or dynamic:
                 raise ProcessSetError(
                     "hvdp is already initialized, and comm= and process_sets= only apply when it starts. "
@@ -182,17 +209,13 @@ def activate(
     else:
         os.environ.setdefault("KERAS_BACKEND", name)
         _check_loaded_keras(name)
-        _backend = load_backend(name)
-    handles = _backend.init(comm, [list(ranks) for ranks in process_sets], dynamic)
-    _generation += 1
-    global _exit_registered
-    if not _exit_registered:  # after Horovod's own exit handler, so that it runs before it
+        state.backend = load_backend(name)
+    handles = state.backend.init(comm, [list(ranks) for ranks in process_sets], dynamic)
+    state.generation += 1
+    if not state.exit_handler:  # after Horovod's own exit handler, so that it runs before it
         atexit.register(_at_exit)
-        _exit_registered = True
+        state.exit_handler = True
     return handles
-
-
-_exit_registered = False
 
 
 def _at_exit() -> None:
@@ -203,27 +226,28 @@ def _at_exit() -> None:
 
 def generation() -> int:
     """A number that changes at every start and shutdown: process sets registered earlier are stale."""
-    return _generation
+    return _job.generation
 
 
 def current(caller: str) -> "Backend":
     """The active backend, or NotInitializedError naming the call that needed it."""
-    if _backend is None or not _backend.is_initialized():
+    backend = _job.backend
+    if backend is None or not backend.is_initialized():
         raise NotInitializedError(
             f"hvdp.{caller}() was called before hvdp.init(). "
             f"Call hvdp.init() (or hvdp.init(framework='torch'|'tensorflow')) first."
         )
-    return _backend
+    return backend
 
 
 def chosen() -> Optional[str]:
     """The name of the loaded framework, or None."""
-    return None if _backend is None else _backend.name
+    return None if _job.backend is None else _job.backend.name
 
 
 def deactivate(join: bool = True) -> None:
     """Shut Horovod down (with ``join``: once every rank gets here); the backend stays loaded for init()."""
-    global _generation
-    if _backend is not None and _backend.is_initialized():
-        _backend.shutdown(join)
-        _generation += 1
+    state = _job
+    if state.backend is not None and state.backend.is_initialized():
+        state.backend.shutdown(join)
+        state.generation += 1

@@ -30,8 +30,6 @@ DYNAMIC = "dynamic"
 #: Environment variables that tell an MPI process its rank and the size of MPI_COMM_WORLD.
 _MPI_WORLD_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
 
-_dynamic = False
-
 
 class ProcessSet:
     """A group of hvdp ranks that trains one model (or runs collectives) together.
@@ -288,13 +286,12 @@ def start(
     A set holding every rank of the job is the job itself: it is bound to the
     global set rather than registered (Horovod refuses it as a duplicate).
     """
-    global _dynamic
     world = _world_size_hint(comm, os.environ)
     native = [ps for ps in process_sets if not _is_whole_job(ps, world)]
     handles = _framework.activate(framework, comm, [list(ps.ranks) for ps in native], dynamic)
     if handles is None:  # already running, and nothing new was asked for
         return
-    _dynamic = dynamic or _env_dynamic(None)
+    _framework.job().dynamic_sets = dynamic or _env_dynamic(None)
     generation = _framework.generation()
     for ps in process_sets:
         ps._handle, ps._generation = None, generation
@@ -309,7 +306,7 @@ def add(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     if ps._generation == _framework.generation():
         raise ProcessSetError(f"hvdp.add_process_set({ps!r}): the set is already registered; use it as it is.")
     _check_in_world(ps, backend.size(), "hvdp.add_process_set")
-    if not _dynamic:
+    if not _framework.job().dynamic_sets:
         raise ProcessSetError(
             f"hvdp.add_process_set({ps!r}) needs sets to be addable while the job runs: initialize with "
             "hvdp.init(process_sets='dynamic'), or register the sets at start with "
@@ -366,14 +363,13 @@ def collective_name(kind: str, name: Optional[str], process_set: Optional[Proces
     """
     if name is not None:
         return name
+    unnamed = _framework.job().unnamed
     key = (_framework.generation(), None if process_set is None else process_set.ranks)
-    count = _unnamed.get(key, 0)
-    _unnamed[key] = count + 1
+    count = unnamed.get(key, 0)
+    unnamed[key] = count + 1
     where = "" if process_set is None else "[" + ",".join(map(str, process_set.ranks)) + "]"
     return f"hvdp.{kind}{where}.{count}"
 
-
-_unnamed: Dict[Tuple[int, Optional[Tuple[int, ...]]], int] = {}
 
 
 def members(process_set: Optional[ProcessSet], caller: str) -> List[int]:

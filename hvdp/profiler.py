@@ -23,6 +23,7 @@ import json
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
@@ -31,16 +32,25 @@ ENV_VAR = "HVDP_PROFILE_DIR"
 #: The phases ``hvdp report`` knows; others are recorded and reported as given.
 PHASES = ("data", "compute", "sync")
 
-_directory: Optional[Path] = None
-_file: Optional[IO[str]] = None
-_phases: Dict[str, float] = {}
-_step = 0
-_step_start: Optional[float] = None
-_sources: List[Callable[[], float]] = []
 T = TypeVar("T")
 #: Records reach the file at least this often (and when the process exits).
 FLUSH_SECONDS = 1.0
-_last_flush = 0.0
+
+
+@dataclass
+class Recorder:
+    """This process's recording: where it goes, the step being timed, and the sync timers to read."""
+
+    directory: Optional[Path] = None
+    file: Optional[IO[str]] = None
+    phases: Dict[str, float] = field(default_factory=dict)
+    step: int = 0
+    step_start: Optional[float] = None
+    sources: List[Callable[[], float]] = field(default_factory=list)
+    last_flush: float = 0.0
+
+
+_recorder = Recorder()
 
 
 def enable(directory: Optional[str] = None) -> None:
@@ -49,27 +59,25 @@ def enable(directory: Optional[str] = None) -> None:
     Example:
         >>> hvdp.profiler.enable("/tmp/profile")  # doctest: +SKIP
     """
-    global _directory
     chosen = directory or os.environ.get(ENV_VAR)
     if not chosen:
         raise ValueError("hvdp.profiler.enable() needs a directory: enable('/path') or hvdp run --profile DIR.")
-    _directory = Path(chosen)
+    _recorder.directory = Path(chosen)
 
 
 def disable() -> None:
     """Turn recording off and close this rank's file."""
-    global _directory, _file
-    _directory = None
-    if _file is not None:
-        _file.close()
-        _file = None
+    _recorder.directory = None
+    if _recorder.file is not None:
+        _recorder.file.close()
+        _recorder.file = None
 
 
 def is_enabled() -> bool:
     """True when steps are being recorded (``enable()`` or ``$HVDP_PROFILE_DIR``)."""
-    if _directory is None and os.environ.get(ENV_VAR):
+    if _recorder.directory is None and os.environ.get(ENV_VAR):
         enable()
-    return _directory is not None
+    return _recorder.directory is not None
 
 
 @contextmanager
@@ -95,7 +103,7 @@ def record(name: str, seconds: float) -> None:
     """Add ``seconds`` to phase ``name`` of the current step (hvdp uses it for ``"sync"``)."""
     if is_enabled():
         _start_step_clock()
-        _phases[name] = _phases.get(name, 0.0) + seconds
+        _recorder.phases[name] = _recorder.phases.get(name, 0.0) + seconds
 
 
 def timed(function: Callable[..., T], name: str = "sync") -> Callable[..., T]:
@@ -120,7 +128,7 @@ def timed(function: Callable[..., T], name: str = "sync") -> Callable[..., T]:
 
 def add_source(read_and_reset: Callable[[], float]) -> None:
     """Register a sync timer that is read (and reset) at each step, e.g. one kept inside a tf.function."""
-    _sources.append(read_and_reset)
+    _recorder.sources.append(read_and_reset)
 
 
 def step(examples: Optional[int] = None) -> None:
@@ -129,34 +137,32 @@ def step(examples: Optional[int] = None) -> None:
     Args:
         examples: examples this replica processed in the step (for examples/second).
     """
-    global _step, _step_start, _file
+    r = _recorder
     if not is_enabled():
         return
     now = time.perf_counter()
-    for source in _sources:
+    for source in r.sources:
         seconds = source()
         if seconds:
-            _phases["sync"] = _phases.get("sync", 0.0) + seconds
-    if _file is None and _directory is not None:
-        _file = _open_rank_file(_directory)
-    if _file is None:
+            r.phases["sync"] = r.phases.get("sync", 0.0) + seconds
+    if r.file is None and r.directory is not None:
+        r.file = _open_rank_file(r.directory)
+    if r.file is None:
         return
-    line = {"step": _step, "time": time.time(), "seconds": now - (_step_start or now),
-            "phases": {name: round(value, 9) for name, value in _phases.items()}, "examples": examples}
-    _file.write(json.dumps(line) + "\n")
-    global _last_flush
-    if now - _last_flush > FLUSH_SECONDS:  # flushing every step would cost more than the records
-        _file.flush()
-        _last_flush = now
-    _step += 1
-    _phases.clear()
-    _step_start = now
+    line = {"step": r.step, "time": time.time(), "seconds": now - (r.step_start or now),
+            "phases": {name: round(value, 9) for name, value in r.phases.items()}, "examples": examples}
+    r.file.write(json.dumps(line) + "\n")
+    if now - r.last_flush > FLUSH_SECONDS:  # flushing every step would cost more than the records
+        r.file.flush()
+        r.last_flush = now
+    r.step += 1
+    r.phases.clear()
+    r.step_start = now
 
 
 def _start_step_clock() -> None:
-    global _step_start
-    if _step_start is None:
-        _step_start = time.perf_counter()
+    if _recorder.step_start is None:
+        _recorder.step_start = time.perf_counter()
 
 
 def _open_rank_file(directory: Path) -> IO[str]:

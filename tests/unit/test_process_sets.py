@@ -48,8 +48,7 @@ class FakeBackend:
 @pytest.fixture
 def fake(monkeypatch):
     backend = FakeBackend()
-    monkeypatch.setattr(_framework, "_backend", backend)
-    monkeypatch.setattr(ps_module, "_unnamed", {})
+    monkeypatch.setattr(_framework, "_job", _framework.Job(backend=backend))
     return backend
 
 
@@ -176,7 +175,7 @@ def test_an_unregistered_or_stale_set_is_refused(fake, monkeypatch):
     with pytest.raises(hvdp.ProcessSetError, match="not registered with the running job"):
         hvdp.allreduce(1.0, process_set=hvdp.ProcessSet([0, 1]))
     group = registered([0, 1])
-    monkeypatch.setattr(_framework, "_generation", _framework.generation() + 1)  # as after shutdown + init
+    monkeypatch.setattr(_framework.job(), "generation", _framework.generation() + 1)  # as after shutdown + init
     with pytest.raises(hvdp.ProcessSetError, match="After hvdp.shutdown"):
         hvdp.barrier(process_set=group)
 
@@ -204,7 +203,7 @@ def test_my_process_set_needs_sets_that_do_not_overlap(fake):
 
 
 def test_add_process_set_needs_dynamic_sets(fake, monkeypatch):
-    monkeypatch.setattr(ps_module, "_dynamic", False)
+    monkeypatch.setattr(_framework.job(), "dynamic_sets", False)
     with pytest.raises(hvdp.ProcessSetError, match="initialize with hvdp.init\\(process_sets='dynamic'\\)"):
         hvdp.add_process_set([0, 1])
     with pytest.raises(hvdp.ProcessSetError, match="but the job has 4 processes"):
