@@ -695,7 +695,7 @@ def run(argv: List[str]) -> int:
     hosts, _ = (None, "") if args.elastic else resolve_hosts(args, os.environ)
     remote = sorted({name for name, _ in hosts or []} - supervise.local_addresses())
     if remote:
-        job.remote = supervise.remote_stopper(remote, job_id, args.ssh_port, args.ssh_identity_file)
+        job.remote = supervise.RemoteStop(remote, job_id, args.ssh_port, args.ssh_identity_file)
     reader = None
     if args.elastic:
         script = args.discovery_script or ""

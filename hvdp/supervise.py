@@ -203,7 +203,9 @@ class Stopped:
 
     def describe(self) -> str:
         """``horovodrun, ranks 0 and 1 and 4 helper processes``."""
-        parts = list(dict.fromkeys(self.launchers))
+        parts = [name if self.launchers.count(name) == 1 else
+                 f"{self.launchers.count(name)} {name}{' clients' if name == 'ssh' else 's'}"
+                 for name in dict.fromkeys(self.launchers)]
         if self.ranks:
             ranks = sorted(set(self.ranks), key=lambda r: int(r) if r.isdigit() else 0)
             parts.append(f"rank{'s' if len(ranks) > 1 else ''} {_and(ranks)}")
@@ -242,7 +244,6 @@ def _launcher_name(process: Any) -> Optional[str]:
 
 def descendants() -> List[Any]:
     """Every live process below this one (with the subreaper set, orphans of the job included)."""
-
     try:
         return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
     except psutil.Error:
@@ -268,21 +269,24 @@ def reap_orphans(keep: Iterable[int] = ()) -> None:
 
 
 def stop_tree(grace_s: float = GRACE_S, keep: Iterable[int] = (), urgent: Optional[threading.Event] = None,
-              remote: Optional[Callable[[], List[str]]] = None) -> Stopped:
+              remote: Optional["RemoteStop"] = None) -> Stopped:
     """End every descendant of this process: SIGTERM, then SIGKILL to what is left after ``grace_s``.
 
     New descendants (a launcher starting a worker meanwhile) get the same. ``urgent`` set
-    (a second Ctrl-C) skips the rest of the grace period; ``remote`` ends remote ranks
-    and returns the hosts it reached.
+    (a second Ctrl-C) skips the rest of the grace period; ``remote`` ends the remote ranks.
     """
 
     start = time.monotonic()
     stopped = Stopped()
     seen: Dict[int, psutil.Process] = {}
     labels: Dict[int, str] = {}
+    kept: Set[int] = set()
+
+    def job() -> List[Any]:
+        return [p for p in descendants() if p.pid not in kept]
 
     def signal_all(sig: int) -> None:
-        alive = descendants()
+        alive = job()
         for process in alive:  # what each process is, before any of them ends
             if process.pid not in seen:
                 seen[process.pid] = process
@@ -301,20 +305,20 @@ def stop_tree(grace_s: float = GRACE_S, keep: Iterable[int] = (), urgent: Option
             except psutil.Error:
                 pass
 
+    if remote is not None:  # at the same time as the local processes, and not ended with them
+        kept.update(remote.start())
     signal_all(signal.SIGTERM)
-    if remote is not None:
-        stopped.remote = remote()
     deadline = start + grace_s
     while time.monotonic() < deadline and not (urgent is not None and urgent.is_set()):
         reap_orphans(keep)
-        alive = descendants()
+        alive = job()
         if not alive:
             break
         if any(p.pid not in seen for p in alive):
             signal_all(signal.SIGTERM)
         time.sleep(0.05)
     for _ in range(20):
-        alive = descendants()
+        alive = job()
         if not alive:
             break
         for process in alive:
@@ -322,47 +326,65 @@ def stop_tree(grace_s: float = GRACE_S, keep: Iterable[int] = (), urgent: Option
         signal_all(signal.SIGKILL)
         psutil.wait_procs(alive, timeout=1)
         reap_orphans(keep)
+    if remote is not None:
+        stopped.remote = remote.wait()
     reap_orphans(keep)
-    stopped.left = [p.pid for p in descendants()]
+    stopped.left = [p.pid for p in job()]
     stopped.seconds = time.monotonic() - start
     return stopped
 
 
-def remote_stopper(hosts: Sequence[str], job_id: str, ssh_port: Optional[int],
-                   identity: Optional[str]) -> Callable[[], List[str]]:
-    """A function that ends, on every remote host, the processes carrying this job's id.
+def stop_script(job_id: str) -> str:
+    """A shell command that ends, on the host it runs on, every process whose environment has the job's id.
+
+    One grep over every process's environment finds them (GNU grep: ``-z`` reads
+    NUL-separated entries); SIGTERM, up to 3 s to end, then SIGKILL.
+    """
+    marker = shlex.quote(f"{JOB_ID_VAR}={job_id}")
+    find = (f"grep -lzx {marker} /proc/[0-9]*/environ 2>/dev/null | "
+            "sed -n 's#^/proc/\\([0-9]*\\)/environ$#\\1#p'")
+    script = (f"p=$({find}); [ -z \"$p\" ] && exit 0; kill -TERM $p 2>/dev/null; "
+              f"for i in 1 2 3 4 5 6; do sleep 0.5; p=$({find}); [ -z \"$p\" ] && exit 0; done; "
+              f"kill -KILL $p 2>/dev/null; exit 0")
+    return script
+
+
+class RemoteStop:
+    """Ends, on every remote host, the processes carrying this job's id.
 
     horovodrun starts remote ranks with ssh and no terminal, so ending the local ssh
     client does not end them; every process of the job has ``HVDP_JOB_ID`` in its
     environment, so one ssh command per host finds and ends exactly those.
     """
-    marker = f"{JOB_ID_VAR}={job_id}"
-    script = ("for p in /proc/[0-9]*; do "
-              f"if tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qx {shlex.quote(marker)}; then "
-              "kill -TERM ${p#/proc/} 2>/dev/null; fi; done; sleep 2; "
-              "for p in /proc/[0-9]*; do "
-              f"if tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qx {shlex.quote(marker)}; then "
-              "kill -KILL ${p#/proc/} 2>/dev/null; fi; done")
 
-    def stop() -> List[str]:
-        ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "ConnectTimeout=3"]
+    def __init__(self, hosts: Sequence[str], job_id: str, ssh_port: Optional[int], identity: Optional[str]) -> None:
+        self.hosts = list(hosts)
+        self.script = stop_script(job_id)
+        self.ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "ConnectTimeout=3"]
         if ssh_port is not None:
-            ssh += ["-p", str(ssh_port)]
+            self.ssh += ["-p", str(ssh_port)]
         if identity:
-            ssh += ["-i", identity]
-        calls = [subprocess.Popen([*ssh, host, script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True) for host in hosts]
+            self.ssh += ["-i", identity]
+        self._calls: List[subprocess.Popen] = []
+
+    def start(self) -> List[int]:
+        """Start one ssh per host; their pids (not to be ended with the job)."""
+        self._calls = [subprocess.Popen([*self.ssh, host, self.script], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       for host in self.hosts]
+        return [call.pid for call in self._calls]
+
+    def wait(self, timeout_s: float = 8.0) -> List[str]:
+        """The hosts where the job's processes were ended."""
         reached = []
-        for host, call in zip(hosts, calls):
+        for host, call in zip(self.hosts, self._calls):
             try:
-                if call.wait(timeout=8) == 0:
+                if call.wait(timeout=timeout_s) == 0:
                     reached.append(host)
             except subprocess.TimeoutExpired:
                 call.kill()
                 call.wait()
         return reached
-
-    return stop
 
 
 # ---------------------------------------------------------------- elastic jobs
@@ -544,7 +566,7 @@ class Job:
     mpi: bool = False
     elastic: Optional[ElasticReporter] = None
     events_fd: Optional[int] = None
-    remote: Optional[Callable[[], List[str]]] = None
+    remote: Optional[RemoteStop] = None
     grace_s: float = GRACE_S
     received: List[int] = field(default_factory=list)
 

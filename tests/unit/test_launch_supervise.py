@@ -99,3 +99,27 @@ def test_the_wait_message_names_workers_hosts_causes_listing_and_time():
         "hvdp: the elastic job was ended: it waited 120 s (--elastic-timeout) with 1 worker for 2 usable slots "
         "(--min-np) and the hosts offered 1. List more hosts in the discovery script, lower --min-np, or raise "
         "--elastic-timeout.")
+
+
+def test_the_remote_stop_script_ends_exactly_the_jobs_processes(tmp_path):
+    """What hvdp run runs over ssh on every remote host, run here on processes of two jobs."""
+    from hvdp.supervise import JOB_ID_VAR, stop_script
+
+    def start(job_id, ignore_term=False):
+        ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN)" if ignore_term else "pass"
+        code = f"import signal, time\n{ignore}\ntime.sleep(600)"
+        return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, JOB_ID_VAR: job_id})
+
+    ours = [start("job-a"), start("job-a", ignore_term=True)]
+    other = start("job-ab")  # another job whose id starts the same way
+    try:
+        time.sleep(0.5)
+        done = subprocess.run(["sh", "-c", stop_script("job-a")], timeout=30, check=False)
+        assert done.returncode == 0
+        for proc in ours:
+            assert proc.wait(timeout=5) in (-signal.SIGTERM, -signal.SIGKILL)
+        assert ours[1].returncode == -signal.SIGKILL and other.poll() is None
+    finally:
+        for proc in [*ours, other]:
+            proc.kill()
+            proc.wait()
