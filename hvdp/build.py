@@ -198,6 +198,31 @@ KERAS3_PATCHES = (
     Patch(_CALLBACKS, f"            new_lr = {_LR_GET}\n",
           "            new_lr = self.backend.get_value(learning_rate_of(self.model.optimizer))\n",
           "the warmup callback reads Keras 3's learning_rate"),
+    Patch("horovod/tensorflow/elastic.py",
+          "    return model.built if hasattr(model, 'build') else True\n",
+          "    return model.built if hasattr(model, 'build') else True\n\n\n"
+          "def _optimizer_variables(optimizer, model):\n"
+          "    # Keras 3: `variables` is a list, and an optimizer has its slots only once built (Keras 3\n"
+          "    # builds it before the first step): build it now, so that its whole state is saved and synced.\n"
+          "    if callable(optimizer.variables):\n"
+          "        return optimizer.variables()\n"
+          "    if not getattr(optimizer, 'built', True) and model is not None:\n"
+          "        optimizer.build(model.trainable_variables)\n"
+          "    return list(optimizer.variables)\n",
+          "elastic KerasState failed on Keras 3 ('list' object is not callable)"),
+    Patch("horovod/tensorflow/elastic.py", "        broadcast_variables(optimizer.variables(), root_rank=0)\n",
+          "        broadcast_variables(_optimizer_variables(optimizer, model), root_rank=0)\n",
+          "elastic KerasState.sync() broadcasts a Keras 3 optimizer's state"),
+    Patch("horovod/tensorflow/elastic.py",
+          "            self._saved_optimizer_state = [tf.identity(var) for var in self.optimizer.variables()]\n",
+          "            self._saved_optimizer_state = [tf.identity(var) for var in\n"
+          "                                           _optimizer_variables(self.optimizer, self.model)]\n",
+          "elastic KerasState.commit() saves a Keras 3 optimizer's state"),
+    Patch("horovod/tensorflow/elastic.py",
+          "            for var, saved_var in zip(self.optimizer.variables(), self._saved_optimizer_state):\n",
+          "            for var, saved_var in zip(_optimizer_variables(self.optimizer, self.model),\n"
+          "                                      self._saved_optimizer_state):\n",
+          "elastic KerasState.restore() restores a Keras 3 optimizer's state"),
     Patch("horovod/tensorflow/keras/callbacks.py", "from horovod._keras import callbacks as _impl\n",
           "from horovod._keras import callbacks as _impl\nK = _impl.keras2_backend(K)\n",
           "Horovod's Keras callbacks get get_value/set_value/constant, which keras.backend lost in Keras 3"),
