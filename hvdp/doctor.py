@@ -20,10 +20,16 @@ try:
 except Exception as exc:
     print(json.dumps({{"error": f"{{type(exc).__name__}}: {{exc}}"}}))
     sys.exit(0)
-print(json.dumps({{"mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()),
-                  "nccl": int(hvd.nccl_built() or 0), "cuda": bool(hvd.cuda_built())}}))
+facts = {{"mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()),
+         "nccl": int(hvd.nccl_built() or 0), "cuda": bool(hvd.cuda_built())}}
+if facts["nccl"] or facts["cuda"]:
+    {gpus}
+print(json.dumps(facts))
 """
 _MODULES = {"torch": "torch", "tensorflow": "tensorflow"}
+#: How many GPUs each framework sees (asked only of a Horovod built with NCCL or CUDA).
+_GPUS = {"torch": "import torch; facts['gpus'] = torch.cuda.device_count()",
+         "tensorflow": "import tensorflow as tf; facts['gpus'] = len(tf.config.list_physical_devices('GPU'))"}
 
 
 @dataclass
@@ -45,7 +51,7 @@ class Report:
 def probe(names: List[str]) -> Dict[str, Dict[str, object]]:
     """Import ``horovod.<framework>`` for each name in its own process, in parallel."""
     procs = {
-        name: subprocess.Popen([sys.executable, "-c", _PROBE.format(module=_MODULES[name])],
+        name: subprocess.Popen([sys.executable, "-c", _PROBE.format(module=_MODULES[name], gpus=_GPUS[name])],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name in names
     }
@@ -57,6 +63,40 @@ def probe(names: List[str]) -> Dict[str, Dict[str, object]]:
         except (IndexError, json.JSONDecodeError):
             results[name] = {"error": (err or out).strip()[-500:] or f"exit code {proc.returncode}"}
     return results
+
+
+def nccl_version(code: int) -> str:
+    """NCCL's version from ``nccl_built()``'s code (major*10000 + minor*100 + patch since 2.9).
+
+    Example:
+        >>> nccl_version(22907), nccl_version(2804)
+        ('2.29.7', '2.8.4')
+    """
+    if code >= 10000:
+        return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+    return f"{code // 1000}.{code // 100 % 10}.{code % 100}"
+
+
+def gpu_lines(built: Dict[str, Dict[str, object]]) -> List[str]:
+    """What the report says about GPUs when Horovod was built with NCCL or CUDA (else nothing).
+
+    Example:
+        >>> print(gpu_lines({"torch": {"nccl": 22907, "cuda": True, "gpus": 0}})[0])  # doctest: +NORMALIZE_WHITESPACE
+        GPUs: none visible to torch. NCCL 2.29.7 is built in but reduces only GPU tensors:
+        jobs here run on the CPU (Gloo/MPI).
+    """
+    lines = []
+    for name, facts in built.items():
+        if "error" in facts or not (facts.get("nccl") or facts.get("cuda")):
+            continue
+        gpus = facts.get("gpus")
+        nccl = f"NCCL {nccl_version(int(str(facts['nccl'])))}" if facts.get("nccl") else "CUDA"
+        if not gpus:
+            lines.append(f"GPUs: none visible to {name}. {nccl} is built in but reduces only GPU tensors: "
+                         f"jobs here run on the CPU (Gloo/MPI).")
+        else:
+            lines.append(f"GPUs: {gpus} visible to {name}; {nccl} reduces tensors on them.")
+    return lines
 
 
 def diagnose() -> Report:
@@ -124,9 +164,10 @@ def render(report: Report) -> str:
                 lines.append(f"  {name:<11} NOT AVAILABLE")
                 continue
             ops = ["Gloo" if facts.get("gloo") else None, "MPI" if facts.get("mpi") else None,
-                   f"NCCL {facts['nccl']}" if facts.get("nccl") else None]
+                   f"NCCL {nccl_version(int(str(facts['nccl'])))}" if facts.get("nccl") else None]
             lines.append(f"  {name:<11} available; controllers/tensor operations: "
                          f"{', '.join(o for o in ops if o) or 'none'}; CUDA: {'yes' if facts.get('cuda') else 'no'}")
+        lines += [f"  {line}" for line in gpu_lines(report.built)]
     lines.append(f"Frameworks usable: {', '.join(report.usable) or 'none'}")
     controllers = ", ".join("MPI" if c == "mpi" else "Gloo" for c in report.controllers)
     lines.append(f"Controllers usable: {controllers or 'none'}")
