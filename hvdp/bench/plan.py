@@ -12,8 +12,9 @@ from hvdp.errors import BenchError
 SECTIONS = ("overhead", "native", "allreduce", "scaling")
 
 
-#: float32 allreduce sizes of the sweep, in bytes: 4 KB to 64 MB, by factors of 4.
-SWEEP_BYTES = tuple(4096 * 4 ** k for k in range(8))
+#: float32 allreduce sizes of the sweep, in bytes: 4 KB to 256 MB, by factors of 4 (--quick stops at 64 MB).
+SWEEP_BYTES = tuple(4096 * 4 ** k for k in range(9))
+QUICK_SWEEP_BYTES = SWEEP_BYTES[:8]
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Settings:
     batch: int = 32
     allreduce_budget: float = 0.15
     sections: Tuple[str, ...] = SECTIONS
+    sweep_bytes: Tuple[int, ...] = SWEEP_BYTES
 
 
 @dataclass
@@ -79,7 +81,8 @@ def make_settings(quick: bool, rounds: Optional[int], steps: Optional[int], warm
         >>> make_settings(True, None, None, None, "native").sections
         ('native',)
     """
-    settings = Settings(mode="quick", rounds=2, warmup=2, steps=12, allreduce_budget=0.05) if quick else \
+    settings = Settings(mode="quick", rounds=2, warmup=2, steps=12, allreduce_budget=0.05,
+                        sweep_bytes=QUICK_SWEEP_BYTES) if quick else \
         Settings(mode="full", rounds=3, warmup=5, steps=30, allreduce_budget=0.4)
     for flag, value in (("--rounds", rounds), ("--steps", steps)):
         if value is not None and value < 1:
@@ -151,7 +154,11 @@ def plan(settings: Settings) -> List[Group]:
     if "allreduce" in sections:
         people = [Contender("hvdp.allreduce (gloo)", "hvdp", np=2, controller="gloo", task="allreduce")]
         if not quick:
-            people.append(Contender("hvdp.allreduce (mpi)", "hvdp", np=2, controller="mpi", task="allreduce"))
+            people += [Contender("hvdp.allreduce (mpi)", "hvdp", np=2, controller="mpi", task="allreduce"),
+                       Contender("Horovod allreduce_ in place (gloo)", "horovod", np=2, controller="gloo",
+                                 task="allreduce"),
+                       Contender("Horovod allreduce_ in place (mpi)", "horovod", np=2, controller="mpi",
+                                 task="allreduce")]
         people += [Contender("mpi4py Allreduce", "mpi4py", np=2, controller="mpi", knobs="threads",
                              task="allreduce"),
                    Contender("torch.distributed all_reduce (gloo)", "torchdist", np=2, knobs="threads",

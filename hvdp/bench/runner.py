@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Tuple
 
-from hvdp.bench.plan import SWEEP_BYTES, Contender, Group, Settings
+from hvdp.bench.plan import Contender, Group, Settings
 from hvdp.bench.stats import median
 from hvdp.errors import BenchError
 
@@ -65,7 +65,7 @@ def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str
               "--batch", str(settings.batch), "--warmup", str(settings.warmup), "--steps", str(settings.steps),
               "--out", out]
     if contender.task == "allreduce":
-        worker = ["--impl", contender.impl, "--sizes", ",".join(map(str, SWEEP_BYTES)),
+        worker = ["--impl", contender.impl, "--sizes", ",".join(map(str, settings.sweep_bytes)),
                   "--budget", str(settings.allreduce_budget), "--out", out]
     worker = [contender.task, *worker]
     python = [sys.executable, "-m", "hvdp.bench.worker"]

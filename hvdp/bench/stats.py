@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Sequence
+from typing import List, Sequence
 
 from hvdp.errors import BenchError
 
@@ -19,6 +19,19 @@ def median(values: Sequence[float]) -> float:
     if not values:
         raise BenchError("no measurements to take the median of; did every job fail?")
     return float(statistics.median(values))
+
+
+def quartiles(values: Sequence[float]) -> List[float]:
+    """[25th, 75th] percentile of ``values``: the spread of single measurements.
+
+    Example:
+        >>> quartiles([1.0, 2.0, 3.0, 4.0, 5.0])
+        [2.0, 4.0]
+    """
+    if not values:
+        raise BenchError("no measurements to take the quartiles of; did every job fail?")
+    cuts = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return [float(cuts[0]), float(cuts[2])]
 
 
 def ratio(a: float, b: float) -> float:

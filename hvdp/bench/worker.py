@@ -219,6 +219,18 @@ def _allreduce(impl: str, sizes: List[int], budget: float) -> Tuple[int, int, di
             return lambda: hvdp.allreduce(tensor, op="sum", name=name)
 
         sync: Callable[[], None] = hvdp.barrier
+    elif impl == "horovod":  # Horovod's own in-place op: no copy, no output tensor
+        import horovod.torch as hvd
+
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+
+        def make(nbytes: int) -> Callable[[], None]:
+            tensor = torch.ones(nbytes // 4)
+            name = f"bench.{nbytes}"
+            return lambda: hvd.allreduce_(tensor, op=hvd.Sum, name=name)
+
+        sync = hvd.barrier
     elif impl == "mpi4py":
         from mpi4py import MPI
 
@@ -275,6 +287,10 @@ def _agree(impl: str, value: int) -> int:
         import hvdp
 
         return int(hvdp.broadcast_object(value, 0))
+    if impl == "horovod":
+        import horovod.torch as hvd
+
+        return int(hvd.broadcast_object(value, 0, name="bench.agree"))
     if impl == "mpi4py":
         from mpi4py import MPI
 

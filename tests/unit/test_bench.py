@@ -117,14 +117,17 @@ def _fake_results():
         Group("scaling torch/resnet18", [Contender("n1", "hvdp", np=1, knobs="one-thread", model="resnet18"),
                                          Contender("n2", "hvdp", np=2, knobs="one-thread", model="resnet18")]),
         Group("allreduce", [Contender("hvdp.allreduce (gloo)", "hvdp", task="allreduce"),
-                            Contender("mpi4py Allreduce", "mpi4py", task="allreduce")]),
+                            Contender("hvdp.allreduce (mpi)", "hvdp", controller="mpi", task="allreduce"),
+                            Contender("mpi4py Allreduce", "mpi4py", task="allreduce"),
+                            Contender("torch.distributed all_reduce (gloo)", "torchdist", task="allreduce")]),
     ]
     steps = {"hvdp": 0.09, "same": 0.09, "plain": 0.1, "ddp": 0.095, "n1": 0.1, "n2": 0.105}
     for group in groups:
         for c in group.contenders:
             if c.task == "allreduce":
                 factor = 1.0 if c.impl == "hvdp" else 0.5
-                record = {"size": 2, "seconds": {str(n): [factor * n / 1e9] * 3 for n in bench.SWEEP_BYTES}}
+                record = {"size": 2, "seconds": {str(n): [factor * n / 1e9 * k for k in (0.9, 1.0, 1.1)]
+                                                 for n in bench.SWEEP_BYTES}}
             else:
                 record = {"size": c.np, "step_seconds": [steps[c.label]] * 5}
             group.runs[c.label] = [record, record]
@@ -142,7 +145,12 @@ def test_summary_ratios_targets_table_and_json():
     assert sweep["mpi4py Allreduce"]["busbw_GBps"][-1] == pytest.approx(2.0)
     status = {t["name"]: (t["status"], t["value"]) for t in results["targets"]}
     assert status["hvdp/DDP step time, torch/cnn np=2"][0] == "PASS"
-    assert status["hvdp.allreduce algbw at 64 MB / mpi4py"] == ("MISS", pytest.approx(0.5))
+    assert status["hvdp.allreduce algbw at 64 MB / mpi4py, under MPI"] == ("MISS", pytest.approx(0.5))
+    assert status["hvdp.allreduce algbw at 64 MB / torch.distributed, under Gloo"] == ("MISS", pytest.approx(0.5))
+    assert status["hvdp.allreduce latency at 4 KB / torch.distributed, under Gloo"] == ("PASS", pytest.approx(2.0))
+    assert results["allreduce"]["bytes"][-1] == 256 << 20
+    low, high = sweep["hvdp.allreduce (gloo)"]["spread_seconds"][0]
+    assert low == pytest.approx(0.925 * 4096 / 1e9) and high == pytest.approx(1.075 * 4096 / 1e9)
     assert status["scaling efficiency 1->2 processes (resnet18)"][0] == "PASS"
     assert status["hvdp/MultiWorkerMirrored step time, tensorflow/cnn np=2"] == ("n/a", None)
     table = bench.format_table(results)
