@@ -64,7 +64,8 @@ def install(events: IO[str]) -> None:
         short = slots < min_num_proc or len(current.available_hosts) < min_hosts
         if short:
             emit(event="waiting", phase="start" if self._create_worker_fn is None else "resume",
-                 min_np=min_num_proc, min_hosts=min_hosts, slots=slots, timeout=self._timeout)
+                 min_np=min_num_proc, min_hosts=min_hosts, slots=slots, hosts=len(current.available_hosts),
+                 timeout=self._timeout)
         try:
             found = original(self, min_num_proc, min_hosts)
         except TimeoutException as exc:

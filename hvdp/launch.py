@@ -680,11 +680,17 @@ def run(argv: List[str]) -> int:
     args = parse_run_args(argv)
     command, env = build_command(args, os.environ, os.cpu_count() or 1, horovodrun_path())
     if args.elastic and not args.dry_run:
-        slots = sum(count for _, count in check_discovery_script(args.discovery_script or ""))
+        found = check_discovery_script(args.discovery_script or "")
+        slots = sum(count for _, count in found)
         if args.min_np is not None and slots < args.min_np:
             print(f"hvdp run: the discovery script lists {slots} slot(s) now, fewer than --min-np "
                   f"{args.min_np}; the job waits for more (up to --elastic-timeout {args.elastic_timeout} s).",
                   file=sys.stderr, flush=True)
+        elif len(found) < 2 and not args.network_interfaces:
+            print(f"hvdp run: the discovery script lists {len(found)} host(s) now; Horovod's elastic driver "
+                  f"waits for 2 to find their common network interfaces (up to --elastic-timeout "
+                  f"{args.elastic_timeout} s) unless --network-interface NIC is given (e.g. lo when every host "
+                  f"is this machine).", file=sys.stderr, flush=True)
     if args.dry_run:
         for key, value in sorted(env.items()):
             print(f"{key}={value}")

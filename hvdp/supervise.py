@@ -493,7 +493,11 @@ class ElasticReporter:
         needed = int(record.get("min_np", self.min_np))  # type: ignore[call-overload]
         available = record.get("slots", "?")
         lines = []
-        if record.get("phase") == "start":
+        if self._hosts_short(record):
+            lines.append(f"hvdp run: waiting for a second host to start the job: Horovod's elastic driver needs "
+                         f"{record.get('min_hosts')} hosts listed to find their common network interfaces, "
+                         f"unless --network-interface is given.")
+        elif record.get("phase") == "start":
             lines.append(f"hvdp run: waiting for {needed} slots to start the job; the hosts offer {available}.")
         else:
             who = f"{left} worker{'s' if left != 1 else ''} left" if left is not None else "too few workers"
@@ -506,9 +510,19 @@ class ElasticReporter:
         except Exception as exc:  # the message must go out whatever the script does
             listed = f"(the script failed: {exc})"
         lines.append(f"hvdp run:   the discovery script lists now: {listed or '(no hosts)'}")
+        wanted = (f"{record.get('min_hosts')} hosts (or restart with --network-interface NIC, e.g. lo when "
+                  f"every host is this machine)") if self._hosts_short(record) else f"{needed} usable slots"
         lines.append(f"hvdp run:   waiting up to {remaining} s more (--elastic-timeout {int(timeout)}) for "
-                     f"{needed} usable slots; Ctrl-C ends the job.")
+                     f"{wanted}; Ctrl-C ends the job.")
         return "\n".join(lines)
+
+    @staticmethod
+    def _hosts_short(record: Dict[str, object]) -> bool:
+        """Whether the driver waits for hosts (to find network interfaces), not for slots."""
+        hosts, min_hosts = record.get("hosts"), record.get("min_hosts", 1)
+        slots, needed = record.get("slots"), record.get("min_np", 0)
+        return (isinstance(hosts, int) and isinstance(min_hosts, int) and hosts < min_hosts and
+                isinstance(slots, int) and isinstance(needed, int) and slots >= needed)
 
     def remind(self, stop: threading.Event) -> None:
         """Repeat the wait message every ``reminder_s`` seconds while the job waits (a thread)."""
@@ -548,6 +562,11 @@ class ElasticReporter:
             record = dict(self.waiting)
             left = self.workers_left
         who = f" with {left} worker{'s' if left != 1 else ''}" if left is not None else ""
+        if self._hosts_short(record):
+            return (f"hvdp: the elastic job was ended: it waited {record.get('timeout')} s (--elastic-timeout) for "
+                    f"a second host: Horovod's elastic driver needs {record.get('min_hosts')} hosts listed to find "
+                    f"their common network interfaces, and the discovery script listed {record.get('hosts')}. List "
+                    f"another host, or give --network-interface NIC (e.g. lo when every host is this machine).")
         return (f"hvdp: the elastic job was ended: it waited {record.get('timeout')} s (--elastic-timeout){who} "
                 f"for {record.get('min_np', self.min_np)} usable slots (--min-np) and the hosts offered "
                 f"{record.get('slots')}. List more hosts in the discovery script, lower --min-np, or raise "

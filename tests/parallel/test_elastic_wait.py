@@ -126,3 +126,30 @@ def test_a_blacklisted_host_comes_back_after_its_cooldown_and_the_job_finishes(t
     assert 10 <= back - failed_at <= 10 + 20, back - failed_at
     print(f"\nfailure -> message {shown - failed_at:.2f} s ({until.split('blacklisted ')[1]}); "
           f"failure -> 3 workers again {back - failed_at:.2f} s; exit {code}")
+
+
+def test_one_host_listed_without_network_interface_the_job_says_it_waits_for_a_second_host(tmp_path):
+    """Horovod's elastic driver needs 2 hosts to find their common interfaces unless
+    --network-interface is given: enough slots, yet it waits; no worker starts."""
+    script = discovery(tmp_path, ["localhost:2"])
+    job = LiveJob(["--elastic", "-np", "2", "--min-np", "2", "--elastic-timeout", "10", "--host-discovery-script",
+                   script, "--framework", "torch", str(WORKERS / "elastic_wait.py"), "torch", "localhost", "9"],
+                  tmp_path)
+    _, note = job.wait_for(r"^hvdp run: the discovery script lists 1 host", timeout=60)
+    assert note == ("hvdp run: the discovery script lists 1 host(s) now; Horovod's elastic driver waits for 2 to "
+                    "find their common network interfaces (up to --elastic-timeout 10 s) unless "
+                    "--network-interface NIC is given (e.g. lo when every host is this machine).")
+    shown, first = job.wait_for(r"^hvdp run: waiting for a second host", timeout=120)
+    assert first == ("hvdp run: waiting for a second host to start the job: Horovod's elastic driver needs 2 hosts "
+                     "listed to find their common network interfaces, unless --network-interface is given.")
+    block = [line for when, line in job.lines if when >= shown][:3]
+    assert block[1] == "hvdp run:   the discovery script lists now: localhost:2", block
+    assert block[2].endswith("(--elastic-timeout 10) for 2 hosts (or restart with --network-interface NIC, e.g. lo "
+                             "when every host is this machine); Ctrl-C ends the job."), block
+    code = job.wait(timeout=60)
+    assert code != 0
+    assert job.output.strip().splitlines()[-1] == (
+        "hvdp: the elastic job was ended: it waited 10 s (--elastic-timeout) for a second host: Horovod's elastic "
+        "driver needs 2 hosts listed to find their common network interfaces, and the discovery script listed 1. "
+        "List another host, or give --network-interface NIC (e.g. lo when every host is this machine).")
+    assert not list(tmp_path.glob("rank*.json"))  # no worker started
