@@ -486,7 +486,7 @@ def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> dict:
 
     Example:
         >>> extras = hvdp.load_checkpoint("ckpt/last.npz", model, optimizer)  # doctest: +SKIP
-        >>> start_epoch = extras["epoch"] + 1
+        >>> start_epoch = extras["epoch"] + 1  # doctest: +SKIP
     """
     return _checkpoint.load(_framework.current("load_checkpoint"), path, model, optimizer)
 
@@ -517,7 +517,7 @@ def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str 
     Example:
         >>> with tf.GradientTape() as tape:  # doctest: +SKIP
         ...     loss = loss_fn(y, model(x))
-        >>> grads = hvdp.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        >>> grads = hvdp.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)  # doctest: +SKIP
     """
     backend = _framework.current("DistributedGradientTape")
     handle = _process_sets.handle(process_set, "DistributedGradientTape")

@@ -17,6 +17,8 @@ them from here, so a new fence cannot slip past the checks.
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
 import os
 import socket
@@ -258,6 +260,16 @@ def _flat(model: Any) -> np.ndarray:
     return np.concatenate([np.asarray(v).reshape(-1) for v in model.weights])
 
 
+def _check_replicas() -> None:
+    """The scene's model must hold the same weights on every rank (or in every group of ranks)."""
+    model = _scene.get("model")
+    if model is not None and _same["groups"] != [] and hvdp.is_initialized():
+        everyone = hvdp.allgather_object(_flat(model))
+        for group in _same["groups"] or [list(range(len(everyone)))]:
+            worst = max(float(np.max(np.abs(everyone[r] - everyone[group[0]]))) for r in group)
+            assert worst == 0.0, f"afterwards, ranks {group} hold different weights (max diff {worst})"
+
+
 @pytest.fixture(autouse=True)
 def _shared_folder_and_identical_replicas(request):
     """Run each block in a folder of its own, shared by the ranks; afterwards the block's model
@@ -271,16 +283,126 @@ def _shared_folder_and_identical_replicas(request):
     # the globals, just before the block runs: so the scene is reset at the end, not here)
     try:
         yield
-        model = _scene.get("model")
-        if model is not None and _same["groups"] != [] and hvdp.is_initialized():
-            everyone = hvdp.allgather_object(_flat(model))
-            for group in _same["groups"] or [list(range(len(everyone)))]:
-                worst = max(float(np.max(np.abs(everyone[r] - everyone[group[0]]))) for r in group)
-                assert worst == 0.0, f"after the block, ranks {group} hold different weights (max diff {worst})"
+        _check_replicas()
     finally:
         os.chdir(old)
         _scene.clear()
         _same["groups"] = None
+
+
+# --- hvdp's docstring examples that need a started job ------------------------------------------
+
+def _discovery_script(names: Dict[str, Any]) -> Dict[str, Any]:
+    script = Path("discover_hosts.sh.tmp" + str(hvdp.rank()))
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    os.replace(script, "discover_hosts.sh")
+    return {}
+
+
+def _elastic_state(names: Dict[str, Any]) -> Dict[str, Any]:
+    return {"state": hvdp.elastic.State(names["model"], names["optimizer"], epoch=0), "set_lr": lambda lr: None}
+
+
+#: hvdp docstrings whose examples are marked ``+SKIP`` (the one-process doctest run,
+#: test_docstrings.py, cannot start a job): doctest name -> (module, scene, more names).
+#: Each runs here with the skips lifted, in the folder shared by all of them (so the
+#: checkpoint saved by one is loaded by the next); examples without expected output are
+#: not held to print nothing. Docstrings left out say why in test_docstrings.py.
+DOCSTRINGS: Dict[str, tuple] = {
+    "hvdp": ("hvdp", "torch_model", lambda n: {"opt": n["optimizer"]}),
+    "hvdp.DistributedOptimizer": ("hvdp", "torch_training", None),
+    "hvdp.SyncBatchNorm": ("hvdp", "torch_job", None),
+    "hvdp.allreduce": ("hvdp", "torch_job", lambda n: {"correct": 20 + hvdp.rank(), "total": 32}),
+    "hvdp.allgather": ("hvdp", "torch_job", lambda n: {"loss": 0.5 + hvdp.rank()}),
+    "hvdp.broadcast": ("hvdp", "torch_job", lambda n: {"seed": 7 + hvdp.rank()}),
+    "hvdp.broadcast_object": ("hvdp", "torch_job", lambda n: {"config": {"lr": 0.1, "rank": hvdp.rank()}}),
+    "hvdp.allgather_object": ("hvdp", "torch_job", None),
+    "hvdp.barrier": ("hvdp", "torch_job", None),
+    "hvdp.check_consistency": ("hvdp", "torch_training", None),
+    "hvdp.save_checkpoint": ("hvdp", "torch_training", lambda n: {"step": 5}),
+    "hvdp.load_checkpoint": ("hvdp", "torch_training", None),  # the file save_checkpoint's example wrote
+    "hvdp.shard": ("hvdp", "torch_job", lambda n: {"x": np.zeros((10, 2))}),
+    "hvdp.DistributedGradientTape": ("hvdp", "keras_training", None),
+    "hvdp._keras_callbacks.BroadcastInitialState": ("hvdp._keras_callbacks", "keras_compiled", None),
+    "hvdp._keras_callbacks.LearningRateWarmup": ("hvdp._keras_callbacks", "keras_training", None),
+    "hvdp._keras_callbacks.MetricAverage": ("hvdp._keras_callbacks", "keras_training", None),
+    "hvdp.elastic": ("hvdp.elastic", "torch_training", lambda n: {"batches": len(n["batches"])}),
+    "hvdp.elastic.State": ("hvdp.elastic", "torch_training", None),
+    "hvdp.elastic.State.register_reset_callbacks": ("hvdp.elastic", "torch_training", _elastic_state),
+    "hvdp.elastic.Sampler": ("hvdp.elastic", "torch_training", None),
+    "hvdp.elastic.run": ("hvdp.elastic", "torch_training",
+                         lambda n: {"train_one_epoch": lambda model, optimizer: n["step"](0)}),
+    "hvdp.launch.check_discovery_script": ("hvdp.launch", "torch_job", _discovery_script),
+    "hvdp.profiler.phase": ("hvdp.profiler", "torch_training", lambda n: {"batches": iter(n["batches"])}),
+    "hvdp.profiler.timed": ("hvdp.profiler", "torch_training", None),
+}
+_BUILDERS = {"torch_model": _torch_model, "torch_job": _job, "torch_training": _torch_training,
+             "keras_compiled": _keras_compiled, "keras_training": _keras_training}
+
+
+class _AnyOutputWhenNoneShown(doctest.OutputChecker):
+    """An example that shows no output (a call made for its effect) may print or return anything."""
+
+    def check_output(self, want: str, got: str, optionflags: int) -> bool:
+        return want == "" or super().check_output(want, got, optionflags)
+
+
+def find_docstring(name: str) -> doctest.DocTest:
+    module = importlib.import_module(DOCSTRINGS[name][0])
+    found = [t for t in doctest.DocTestFinder().find(module, module.__name__) if t.name == name]
+    if len(found) != 1:
+        raise LookupError(f"no docstring {name} in {module.__name__} (moved or renamed? update DOCSTRINGS)")
+    return found[0]
+
+
+class DocstringItem(pytest.Item):
+    """One docstring's examples, skips lifted, in a started job."""
+
+    def __init__(self, *, scene: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fixturenames = (scene,)  # what jobs_of() reads, as for README blocks
+        self.scene = scene
+
+    def runtest(self) -> None:
+        module, scene, extras = DOCSTRINGS[self.name]
+        test = find_docstring(self.name)
+        folder = Path(os.environ["HVDP_DOCS_OUT"]) / "work" / "docstrings"
+        folder.mkdir(parents=True, exist_ok=True)
+        old = os.getcwd()
+        os.chdir(folder)
+        try:
+            _enter(_BUILDERS[scene])
+            _scene.update(extras(_scene) if extras else {})
+            test.globs = {**test.globs, **pytest_markdown_docs_globals()}
+            for example in test.examples:
+                example.options[doctest.SKIP] = False
+            runner = doctest.DocTestRunner(checker=_AnyOutputWhenNoneShown(), optionflags=doctest.ELLIPSIS)
+            report: List[str] = []
+            result = runner.run(test, out=report.append, clear_globs=False)
+            assert result.attempted == len(test.examples) and result.failed == 0, \
+                f"{self.name}: {result.failed} of {result.attempted} examples failed:\n" + "".join(report)
+            _check_replicas()
+        finally:
+            os.chdir(old)
+            _scene.clear()
+            _same["groups"] = None
+
+    def reportinfo(self):
+        return self.path, None, self.name
+
+
+class DocstringExamples(pytest.File):
+    def collect(self):
+        for name, (_, scene, _) in DOCSTRINGS.items():
+            yield DocstringItem.from_parent(self, name=name, scene=scene)
+
+
+def pytest_collect_file(file_path, parent):
+    """Beside README.md's blocks (pytest-markdown-docs), the docstrings of DOCSTRINGS."""
+    if Path(str(file_path)).name == "README.md" and parent.config.option.markdowndocs:
+        return DocstringExamples.from_parent(parent, path=Path(str(file_path)))
+    return None
 
 
 # --- which blocks run here, and the report ------------------------------------------------------
@@ -304,12 +426,18 @@ def pytest_collection_modifyitems(config, items):
     items[:] = sorted(keep, key=lambda item: "hvdp.shutdown()" in getattr(item, "code", ""))
     if drop:
         config.hook.pytest_deselected(items=drop)
-    _deselected.extend(str(_line(item)) for item in drop)
+    _deselected.extend(_key(item) for item in drop)
+
+
+def _key(item) -> str:
+    """A README block by the line of its fence, a docstring by its doctest name."""
+    return str(item.start_line) if _line(item) is not None else item.name
 
 
 def pytest_runtest_logreport(report):
-    line = report.location[1]
-    entry = _results.setdefault(str(line), {"outcome": "passed", "phases": {}})
+    _, line, domain = report.location
+    key = str(line) if domain.startswith("[CodeFence") else domain
+    entry = _results.setdefault(key, {"outcome": "passed", "phases": {}})
     entry["phases"][report.when] = report.outcome
     if report.outcome != "passed" and entry["outcome"] != "failed":
         entry["outcome"] = "failed" if report.failed else "skipped"
@@ -321,5 +449,5 @@ def pytest_sessionfinish(session):
     out = Path(os.environ["HVDP_DOCS_OUT"])
     rank = _rank()
     record = {"rank": rank, "job": os.environ["HVDP_DOCS_JOB"], "blocks": _results,
-              "deselected": sorted(_deselected, key=int), "collected": sum(_collected)}
+              "deselected": sorted(_deselected), "collected": sum(_collected)}
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))

@@ -137,14 +137,18 @@ def test_every_rank_passes_exactly_the_blocks_of_its_job(job):
     assert expected, f"no README block is assigned to the {name} job"
     assert [r["rank"] for r in result.ranks] == list(range(np_)), \
         f"{name} job (exit {result.returncode}): missing rank reports:\n{result.output[-6000:]}"
+    docstrings = sorted(d for d, (_, scene, _) in readme_blocks.DOCSTRINGS.items()
+                        if name in readme_blocks.jobs_of([scene]))
     for record in result.ranks:
-        outcomes = {int(line): entry["outcome"] for line, entry in record["blocks"].items()}
-        failed = {line: record["blocks"][str(line)].get("error", "")[-1500:]
-                  for line, outcome in outcomes.items() if outcome != "passed"}
-        assert not failed, f"{name} job, rank {record['rank']}: README blocks failed or were skipped:\n" + \
-            "\n".join(f"README.md:{line}:\n{text}" for line, text in failed.items())
-        assert sorted(outcomes) == expected, f"{name} job, rank {record['rank']} ran {sorted(outcomes)}"
-        # pytest-markdown-docs collected every runnable fence: none escapes the count
-        assert record["collected"] == len(runnable)
-        assert sorted(map(int, record["deselected"])) == sorted(set(runnable) - set(expected))
+        failed = {key: entry.get("error", "")[-1500:] for key, entry in record["blocks"].items()
+                  if entry["outcome"] != "passed"}
+        assert not failed, f"{name} job, rank {record['rank']}: failed or skipped:\n" + \
+            "\n".join(f"{key}:\n{text}" for key, text in failed.items())
+        lines = sorted(int(key) for key in record["blocks"] if key.isdigit())
+        assert lines == expected, f"{name} job, rank {record['rank']} ran README blocks {lines}"
+        assert sorted(key for key in record["blocks"] if not key.isdigit()) == docstrings
+        # every runnable fence and docstring was collected (none escapes the count), and the
+        # ones of other jobs were deselected
+        assert record["collected"] == len(runnable) + len(readme_blocks.DOCSTRINGS)
+        assert sorted(int(k) for k in record["deselected"] if k.isdigit()) == sorted(set(runnable) - set(expected))
     assert result.returncode == 0, f"{name} job exited {result.returncode}:\n{result.output[-4000:]}"
