@@ -52,7 +52,7 @@ def test_one_of_two_hosts_fails_the_job_says_why_it_waits_then_ends_at_the_elast
     assert block[3].startswith("hvdp run:   waiting up to 1") and \
         block[3].endswith(" s more (--elastic-timeout 15) for 2 usable slots; Ctrl-C ends the job."), block
     again, _ = job.wait_for(r"^hvdp run: the job is below --min-np 2", timeout=20, after=shown + 1)
-    assert 9 <= again - shown <= 13, again - shown  # every 10 s
+    assert 9 <= again - shown <= 16, again - shown  # every 10 s (measured 10.1-10.2 s)
     code = job.wait(timeout=60)
     ended = time.time()
     last = job.output.strip().splitlines()[-1]
