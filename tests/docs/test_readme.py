@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, NamedTuple
 
+import numpy as np
 import pytest
 from markdown_it import MarkdownIt
 
@@ -74,6 +75,7 @@ class JobResult(NamedTuple):
     returncode: int
     output: str
     ranks: List[Dict]
+    out: Path
 
 
 def run_job(job: str, out: Path) -> JobResult:
@@ -105,7 +107,7 @@ def run_job(job: str, out: Path) -> JobResult:
         raise AssertionError(f"the {job} job hung for {TIMEOUT_S} s:\n{output[-4000:]}") from None
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(np_)
              if (out / f"rank{r}.json").exists()]
-    return JobResult(proc.returncode, output, ranks)
+    return JobResult(proc.returncode, output, ranks, out)
 
 
 @pytest.fixture(scope="module", params=sorted(readme_blocks.LAUNCH))
@@ -151,4 +153,8 @@ def test_every_rank_passes_exactly_the_blocks_of_its_job(job):
         # ones of other jobs were deselected
         assert record["collected"] == len(runnable) + len(readme_blocks.DOCSTRINGS)
         assert sorted(int(k) for k in record["deselected"] if k.isdigit()) == sorted(set(runnable) - set(expected))
+    if name == "four":  # the process-set block: each set's replicas equal, the two models different
+        weights = [np.load(result.out / f"weights-rank{r}.npy") for r in range(4)]
+        assert np.array_equal(weights[0], weights[1]) and np.array_equal(weights[2], weights[3])
+        assert weights[0].shape != weights[2].shape
     assert result.returncode == 0, f"{name} job exited {result.returncode}:\n{result.output[-4000:]}"
