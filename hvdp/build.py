@@ -226,14 +226,18 @@ KERAS3_PATCHES = (
     Patch("horovod/tensorflow/keras/callbacks.py", "from horovod._keras import callbacks as _impl\n",
           "from horovod._keras import callbacks as _impl\nK = _impl.keras2_backend(K)\n",
           "Horovod's Keras callbacks get get_value/set_value/constant, which keras.backend lost in Keras 3"),
-    Patch("horovod/tensorflow/keras/callbacks.py",
-          "        elif isinstance(local_variables, tf.Variable):\n"
-          "            local_variables = [local_variables]\n"
-          "        elif not all(isinstance(var, tf.Variable) for var in local_variables):\n",
-          "        elif _impl.is_variable(local_variables):\n"
-          "            local_variables = [local_variables]\n"
-          "        elif not all(_impl.is_variable(var) for var in local_variables):\n",
-          "BroadcastGlobalVariablesCallback(local_variables=) accepts Keras 3 variables"),
+    Patch("horovod/keras/callbacks.py", "from horovod._keras import callbacks as _impl\n",
+          "from horovod._keras import callbacks as _impl\nK = _impl.keras2_backend(K)\n",
+          "the same for horovod.keras's callbacks"),
+    *(Patch(path,
+            "        elif isinstance(local_variables, tf.Variable):\n"
+            "            local_variables = [local_variables]\n"
+            "        elif not all(isinstance(var, tf.Variable) for var in local_variables):\n",
+            "        elif _impl.is_variable(local_variables):\n"
+            "            local_variables = [local_variables]\n"
+            "        elif not all(_impl.is_variable(var) for var in local_variables):\n",
+            "BroadcastGlobalVariablesCallback(local_variables=) accepts Keras 3 variables")
+      for path in ("horovod/tensorflow/keras/callbacks.py", "horovod/keras/callbacks.py")),
 )
 
 
