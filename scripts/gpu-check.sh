@@ -63,7 +63,7 @@ step() {
   status=$?
   local took
   took=$(printf '%.1f' "$(echo "$(date +%s.%N) - $start" | bc)")
-  steps+=("$(printf '%-44s %-6s %7s s' "$name" "$([ "$status" = 0 ] && echo ok || echo FAIL:$status)" "$took")")
+  steps+=("$(printf '%-52s %-7s %7s s' "$name" "$([ "$status" = 0 ] && echo ok || echo FAIL:$status)" "$took")")
   [ "$status" = 0 ] || failed=1
   return "$status"
 }
@@ -162,6 +162,7 @@ if [ "$mode" = gpu ]; then
   }
   step "virtual environment (system packages visible)" 60 make_venv || summary
   python=$venv/bin/python
+  export PATH=$venv/bin:$PATH
   step "wheels from build/gpu-bundle (offline)" 120 "$python" -m pip install -q --no-index \
     --find-links "$bundle/wheels" "${bundle_wheels[@]}" || summary
   export HVDP_CACHE_DIR=$work/cache
@@ -205,15 +206,17 @@ else
     examples/train_digits.py --epochs 2
 fi
 
-steps_per_round=100
-[ "$mode" = dry-run ] && steps_per_round=5
-step "step time, hvdp's defaults (HOROVOD_CYCLE_TIME=5)" 120 "$python" -m hvdp.cli run -np 1 \
-  --framework torch scripts/gpu_check.py steptime --device "$device" --steps "$steps_per_round" --json "$work/steptime.json"
-step "step time, HOROVOD_CYCLE_TIME=1 (Horovod's default)" 120 env HOROVOD_CYCLE_TIME=1 \
+timing=(--steps 100 --rounds 5)
+cap=120
+[ "$mode" = dry-run ] && timing=(--steps 3 --rounds 2) && cap=400  # the CPU: a few steps, to run the code
+step "step time, hvdp's defaults (HOROVOD_CYCLE_TIME=5)" "$cap" "$python" -m hvdp.cli run -np 1 \
+  --framework torch scripts/gpu_check.py steptime --device "$device" "${timing[@]}" --json "$work/steptime.json"
+step "step time, HOROVOD_CYCLE_TIME=1 (Horovod's default)" "$cap" env HOROVOD_CYCLE_TIME=1 \
   "$python" -m hvdp.cli run -np 1 --framework torch scripts/gpu_check.py steptime --device "$device" \
-  --steps "$steps_per_round" --json "$work/steptime-cycle1.json"
+  "${timing[@]}" --json "$work/steptime-cycle1.json"
 rm -f "$work/timeline.json"
-step "equivalence on one device (and the NCCL timeline)" 240 env HOROVOD_TIMELINE="$work/timeline.json" \
+[ "$mode" = dry-run ] && cap=900 || cap=240
+step "equivalence on one device (and the NCCL timeline)" "$cap" env HOROVOD_TIMELINE="$work/timeline.json" \
   "$python" -m hvdp.cli run -np 1 --framework torch scripts/gpu_check.py equivalence --device "$device" \
   --json "$work/equivalence.json"
 echo "figures as JSON: $work/steptime.json $work/steptime-cycle1.json $work/equivalence.json"
