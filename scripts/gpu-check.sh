@@ -54,15 +54,15 @@ step() {
   local name=$1 cap=$2 start status
   shift 2
   log "$name (at most $cap s)"
-  start=$(date +%s.%N)
+  start=$(date +%s%N)
   if declare -F "$1" >/dev/null; then
     "$@"
   else
     timeout --kill-after=10 "$cap" "$@"
   fi
   status=$?
-  local took
-  took=$(printf '%.1f' "$(echo "$(date +%s.%N) - $start" | bc)")
+  local took=$((($(date +%s%N) - start) / 100000000))  # tenths of a second
+  took=$((took / 10)).$((took % 10))
   steps+=("$(printf '%-52s %-7s %7s s' "$name" "$([ "$status" = 0 ] && echo ok || echo FAIL:$status)" "$took")")
   [ "$status" = 0 ] || failed=1
   return "$status"
@@ -96,8 +96,13 @@ check_bundle() {
   found=$(find_sdist) || { echo "no $sdist_name: run scripts/gpu-check.sh --prepare (or pass --sdist)"; return 1; }
   [ "$(sha256sum "$found" | cut -d' ' -f1)" = "$sdist_sha256" ] || { echo "$found: wrong sha256"; return 1; }
   echo "sdist: $found ($(stat -c %s "$found") bytes, sha256 ok)"
-  repo_bytes=$(cd "$repo" && git ls-files -z --cached --others --exclude-standard \
-    | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+  # With git: the files that travel (tracked, and untracked but not ignored); without: the whole tree.
+  if git -C "$repo" rev-parse --git-dir >/dev/null 2>&1; then
+    repo_bytes=$(cd "$repo" && git ls-files -z --cached --others --exclude-standard \
+      | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+  else
+    repo_bytes=$(du -sb --exclude=build "$repo" | cut -f1)
+  fi
   bundle_bytes=$(du -sb "$bundle" 2>/dev/null | cut -f1)
   total=$((repo_bytes + ${bundle_bytes:-0}))
   echo "repository files: $repo_bytes bytes; build/gpu-bundle: ${bundle_bytes:-0} bytes; together $total bytes" \
@@ -156,13 +161,15 @@ step "the machine" 60 machine || [ "$mode" = dry-run ] || summary
 if [ "$mode" = gpu ]; then
   # A virtual environment over the machine's packages, so that nothing is installed into them.
   venv=$work/venv
-  make_venv() {
-    "$python" -m venv --system-site-packages "$venv" 2>/dev/null \
-      || "$python" -m venv --system-site-packages --without-pip "$venv"
-  }
-  step "virtual environment (system packages visible)" 60 make_venv || summary
-  python=$venv/bin/python
-  export PATH=$venv/bin:$PATH
+  log "virtual environment over the machine's packages: $venv"
+  if { "$python" -m venv --system-site-packages "$venv" 2>/dev/null \
+       || "$python" -m venv --system-site-packages --without-pip "$venv"; } && "$venv/bin/python" -m pip --version; then
+    python=$venv/bin/python
+    export PATH=$venv/bin:$PATH
+  else  # no venv module, or no pip the venv can use: install into the machine's Python itself
+    echo "no usable virtual environment: installing into $python's own site-packages"
+    export PIP_BREAK_SYSTEM_PACKAGES=1
+  fi
   step "wheels from build/gpu-bundle (offline)" 120 "$python" -m pip install -q --no-index \
     --find-links "$bundle/wheels" "${bundle_wheels[@]}" || summary
   export HVDP_CACHE_DIR=$work/cache
