@@ -1,0 +1,16 @@
+"""A plain `pip install .` (what the Docker images run) ships every module of hvdp, not only an editable install."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from setuptools import find_packages
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_folder_of_python_modules_is_a_package_setup_py_finds():
+    packages = set(find_packages(str(REPO), include=["hvdp", "hvdp.*"]))
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "hvdp").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert folders - packages == set(), "add an __init__.py to these folders, or pip install . leaves them out"
