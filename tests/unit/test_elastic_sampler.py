@@ -2,7 +2,7 @@
 
 Each simulated worker holds its own copy of the sampler, as the ranks of a job do; a commit
 is a deep copy, a failure goes back to it, and a change of workers hands every worker rank
-0's copy (what State.sync does). The real 3 -> 2 -> 3 job is tests/parallel/test_elastic_sampler.py.
+0's copy (what State.sync does). The real 3 -> 2 -> 3 job is tests/parallel/test_elastic_sampler_job.py.
 """
 
 from __future__ import annotations

@@ -14,3 +14,9 @@ def test_every_folder_of_python_modules_is_a_package_setup_py_finds():
     folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "hvdp").rglob("*.py")
                if "__pycache__" not in p.parts}
     assert folders - packages == set(), "add an __init__.py to these folders, or pip install . leaves them out"
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test files by their basename: two with one name stop the whole run at collection."""
+    names = [p.name for p in (REPO / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
