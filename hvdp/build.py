@@ -765,7 +765,10 @@ def build(options: BuildOptions, progress: Progress = print) -> Path:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hvdp-build-") as tmp:
         with tarfile.open(sdist) as archive:
-            archive.extractall(tmp, filter="data")
+            if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4 (and 3.8-3.10 security releases)
+                archive.extractall(tmp, filter="data")
+            else:  # Debian 12's Python 3.11.2: the sdist's hash was checked in fetch_sdist
+                archive.extractall(tmp)
         source = Path(tmp) / f"horovod-{HOROVOD_VERSION}"
         for change in patch_source(source) + (patch_source(source, GPU_PATCHES) if options.gpu else []):
             progress(f"Patched {change}")
