@@ -194,8 +194,10 @@ class SyncBatchNorm(hvd.SyncBatchNorm):
         self._hvdp_name = f"hvdp.sync_batch_norm.{next(self._instances)}"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.is_cuda or not self.training or hvd.size() == 1:
+        if input.is_cuda:
             return super().forward(input)
+        if not self.training or hvd.size() == 1:  # Horovod's refuses CPU tensors even where no sync is needed
+            return torch.nn.modules.batchnorm._BatchNorm.forward(self, input)
         self._check_input_dim(input)
         channels = input.size(1)
         dims = [0, *range(2, input.dim())]

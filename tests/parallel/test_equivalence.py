@@ -113,6 +113,7 @@ def test_torch_sparse_gradients_missing_gradients_and_sync_batch_norm(torch_job)
     for rank in job.ranks:
         assert rank["sparse"]["close"], rank["sparse"]
         assert rank["sync_batch_norm"]["params"]["close"] and rank["sync_batch_norm"]["running_stats"]["close"]
+        assert rank["sync_batch_norm"]["eval"]["close"], "SyncBatchNorm in eval mode (CPU)"
         assert rank["missing_grads"]["seconds"] < 30
     assert len({r["sparse"]["digest"] for r in job.ranks}) == 1
     assert len({r["missing_grads"]["digest"] for r in job.ranks}) == 1

@@ -187,8 +187,13 @@ def sync_batch_norm(rank: int, size: int) -> dict:
         loss_of(ref, whole_x, whole_y).backward()
         ref_opt.step()
     stats = lambda m: np.concatenate([m[1].running_mean.numpy(), m[1].running_var.numpy()])  # noqa: E731
+    model.eval()
+    ref.eval()
+    with torch.no_grad():  # evaluation uses the running statistics, on every rank's own batch
+        x, _ = batches(size)[0][rank]
+        evaluated = compare(model(x).numpy().astype(np.float64), ref(x).numpy().astype(np.float64))
     return {"params": compare(flat(model), flat(ref)), "running_stats": compare(stats(model), stats(ref)),
-            "class": type(model[1]).__name__}
+            "eval": evaluated, "class": type(model[1]).__name__}
 
 
 def consistency(rank: int) -> dict:
