@@ -46,7 +46,7 @@ HOROVOD_VERSION = "0.28.1"
 SDIST_NAME = f"horovod-{HOROVOD_VERSION}.tar.gz"
 SDIST_SHA256 = "92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
 #: Bump whenever the patches below change, so cached wheels are rebuilt.
-PATCH_LEVEL = 4
+PATCH_LEVEL = 5
 #: Python packages Horovod's setup.py imports (we build without isolation).
 BUILD_REQUIREMENTS = ["cloudpickle", "psutil", "pyyaml", "packaging", "setuptools", "wheel"]
 #: Where the record of the installed build lives, inside the horovod package.
