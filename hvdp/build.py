@@ -354,6 +354,7 @@ def build_inputs(options: BuildOptions, frameworks: Dict[str, str]) -> Dict[str,
     return {
         "horovod": HOROVOD_VERSION,
         "patch_level": PATCH_LEVEL,
+        "patches": patches_digest(PATCHES),  # a changed patch text (or inserted module) is a new build
         "python": f"{sys.implementation.cache_tag}-{platform.machine()}",
         "frameworks": dict(sorted(frameworks.items())),
         "mpi": mpi_version() if options.mpi else None,

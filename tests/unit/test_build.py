@@ -27,6 +27,10 @@ def test_cache_key_changes_with_every_input():
                          ("xla", True), ("python", "cpython-312-x86_64"), ("patch_level", 99),
                          ("horovod", "0.28.2")]:
         assert build.cache_key({**base, field: value}) != key, field
+    # A patch whose text changed (or a module it inserts) is a new build, even at the same PATCH_LEVEL.
+    changed = [build.Patch(p.path, p.old, p.new + "\n", p.why) if i == 0 else p
+               for i, p in enumerate(build.PATCHES)]
+    assert base["patches"] == build.patches_digest(build.PATCHES) != build.patches_digest(changed)
 
 
 @pytest.fixture(scope="module")
