@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +32,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 README = REPO / "README.md"
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "tests" / "parallel"))
 import readme_blocks  # noqa: E402  (beside this file; every rank loads it as a plugin)
+from harness import communicate  # noqa: E402
 
 PYTHON_LANGS = ("py", "python", "python3")  # what pytest-markdown-docs collects
 NOT_RUN_MARK = "<!-- not run by the tests:"
@@ -95,16 +96,7 @@ def run_job(job: str, out: Path) -> JobResult:
                "--markdown-docs", str(README), "-q", "--color=no", "--timeout=300"]
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the launcher ends its ranks
-        try:
-            output, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        raise AssertionError(f"the {job} job hung for {TIMEOUT_S} s:\n{output[-4000:]}") from None
+    output = communicate(proc, TIMEOUT_S, f"the {job} job")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(np_)
              if (out / f"rank{r}.json").exists()]
     return JobResult(proc.returncode, output, ranks, out)

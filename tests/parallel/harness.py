@@ -58,19 +58,26 @@ def run_mpirun(args: List[str], out_dir: Path, np_: int = 4, timeout: int = 300)
         env.pop(var, None)
     proc = subprocess.Popen([*MPIRUN, "-np", str(np_), sys.executable, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = communicate(proc, timeout, f"mpirun {' '.join(args)}")
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(np_)
+             if (out_dir / f"rank{r}.json").exists()]
+    return Job(proc.returncode, output, ranks)
+
+
+def communicate(proc: "subprocess.Popen[str]", timeout: float, what: str) -> str:
+    """``proc``'s output (started with start_new_session); past ``timeout``, end its whole process group
+    (SIGTERM, which launchers pass to their ranks, then SIGKILL) and fail naming ``what`` hung."""
     try:
         output, _ = proc.communicate(timeout=timeout)
+        return str(output)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # mpirun ends its ranks on SIGTERM
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             output, _ = proc.communicate(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
-        raise AssertionError(f"mpirun {' '.join(args)} hung for {timeout} s:\n{output[-4000:]}") from None
-    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(np_)
-             if (out_dir / f"rank{r}.json").exists()]
-    return Job(proc.returncode, output, ranks)
+        raise AssertionError(f"{what} hung for {timeout} s:\n{output[-4000:]}") from None
 
 
 def run_worker(worker: str, controller: str, framework: str, out_dir: Path, np_: int = 2) -> Job:

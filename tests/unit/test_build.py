@@ -34,13 +34,9 @@ def test_cache_key_changes_with_every_input():
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """The real Horovod sdist (downloaded once by hvdp build and cached), unpacked."""
-    sdist = build.fetch_sdist(progress=lambda line: None)
-    root = tmp_path_factory.mktemp("src")
-    with tarfile.open(sdist) as archive:
-        archive.extractall(root, filter="data")
-    return root / f"horovod-{build.HOROVOD_VERSION}"
+def source(unpack_sdist):
+    """The real Horovod sdist, unpacked."""
+    return unpack_sdist("src")
 
 
 def test_patches_make_cxx17_and_xla_opt_in(source):

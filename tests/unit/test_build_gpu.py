@@ -4,7 +4,6 @@ cache key, and what hvdp doctor says about GPUs."""
 
 from __future__ import annotations
 
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -108,13 +107,9 @@ def test_where_the_toolkit_is_looked_for(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def sdist_source(tmp_path_factory):
-    """The real Horovod sdist (cached by hvdp build), unpacked."""
-    sdist = build.fetch_sdist(progress=lambda line: None)
-    root = tmp_path_factory.mktemp("gpu-src")
-    with tarfile.open(sdist) as archive:
-        archive.extractall(root, filter="data")
-    return root / f"horovod-{build.HOROVOD_VERSION}"
+def sdist_source(unpack_sdist):
+    """The real Horovod sdist, unpacked."""
+    return unpack_sdist("gpu-src")
 
 
 def test_gpu_patches_apply_once_to_the_real_source_after_the_common_ones(sdist_source):
