@@ -178,7 +178,7 @@ def test_dry_run_line(tmp_path):
     proc = run(line, tmp_path)
     assert proc.returncode == 0, proc.stdout
     assert "HVDP_FRAMEWORK=torch" in proc.stdout.splitlines()
-    assert re.search(r"horovodrun -np 2 --gloo \S*python train\.py$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"horovodrun -np 2 --gloo \S*python[0-9.]* train\.py$", proc.stdout, re.M), proc.stdout
     assert not (tmp_path / "ran").exists(), "--dry-run started the script"
 
 
