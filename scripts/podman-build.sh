@@ -19,6 +19,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# shellcheck source=scripts/apt-install.sh
+source scripts/apt-install.sh  # the working directory is the repository root
+
 log() { printf '[podman-build] %s\n' "$*" >&2; }
 
 tag=hvdp:cpu
@@ -35,13 +38,7 @@ need=()
 command -v podman >/dev/null 2>&1 || need+=(podman)
 [ -x /usr/sbin/runc ] || command -v runc >/dev/null 2>&1 || need+=(runc)
 [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
-if ((${#need[@]})); then
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  log "installing Debian packages: ${need[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+apt_install "${need[@]}"
 export CONTAINERS_CONF="${state}/containers.conf"
 cat >"${CONTAINERS_CONF}" <<'EOF'
 [containers]

@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# shellcheck source=scripts/apt-install.sh
+source scripts/apt-install.sh  # the working directory is the repository root
+
 log() { printf '[setup] %s\n' "$*"; }
 
 # 1. Debian packages: Open MPI (runtime and headers), cmake, a C++ compiler; for the multi-host
@@ -16,13 +19,7 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && command -v sbatch; } >/dev/null 2>&1 || need+=(slurm-wlm)
 { [ -x /usr/sbin/munged ] && [ -x /usr/sbin/mungekey ]; } >/dev/null 2>&1 || need+=(munge)
-if ((${#need[@]})); then
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  log "installing Debian packages: ${need[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+apt_install "${need[@]}"
 
 # 2. The virtual environment, at .venv/ in the repository root.
 if [ ! -x .venv/bin/python ]; then
