@@ -1,0 +1,18 @@
+"""TensorFlow as ``hvdp build`` and ``hvdp doctor`` see it (the backend itself is :mod:`hvdp.backends.tensorflow`)."""
+
+from __future__ import annotations
+
+from hvdp.backends import tensorflow_patches
+from hvdp.backends.spec import FrameworkSpec
+
+SPEC = FrameworkSpec(
+    name="tensorflow",
+    distributions=("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly"),
+    requirement="tensorflow-cpu==2.21.0",
+    horovod_flag="TENSORFLOW",
+    horovod_module="horovod.tensorflow",
+    cmake_patches=tensorflow_patches.CMAKE_PATCHES,
+    python_patches=tensorflow_patches.KERAS3_PATCHES,
+    cuda_probe="import tensorflow as tf; print('1' if tf.test.is_built_with_cuda() else '')",
+    gpu_count_probe="import tensorflow as tf; facts['gpus'] = len(tf.config.list_physical_devices('GPU'))",
+)
