@@ -18,22 +18,7 @@ import torch
 
 from hvdp import keras as hvdp_keras
 from hvdp import profiler
-from hvdp.backends._horovod import HorovodJob
-from hvdp.backends.base import reduction_plan
-
-_OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
-_COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
-
-
-def _as_tensor(value: Any, caller: str) -> Tuple[torch.Tensor, bool]:
-    """(tensor, came_as_numpy) for a torch tensor or a NumPy array."""
-    if isinstance(value, torch.Tensor):
-        return value, False
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value)), True
-    raise TypeError(
-        f"{caller} on torch takes a torch.Tensor, a NumPy array or a Python number, got {type(value).__name__}."
-    )
+from hvdp.backends.base import HorovodJob, reduction_plan
 
 
 def _map_tensors(tree: Any, to_numpy: bool) -> Any:
@@ -47,15 +32,6 @@ def _map_tensors(tree: Any, to_numpy: bool) -> Any:
     if not to_numpy and isinstance(tree, np.ndarray):
         return torch.from_numpy(np.array(tree))
     return tree
-
-
-def _same_kind(result: torch.Tensor, as_numpy: bool) -> Any:
-    return result.detach().numpy() if as_numpy else result
-
-
-def _set(process_set: Any) -> Any:
-    """Horovod's process set for hvdp's handle (None: the whole job)."""
-    return hvd.global_process_set if process_set is None else process_set
 
 
 #: Longest sleep between two polls of an unfinished collective (seconds).
@@ -237,7 +213,7 @@ class Backend(HorovodJob):
         gradient_predivide_factor: float,
         process_set: Any,
     ) -> Any:
-        horovod_set = _set(process_set)
+        horovod_set = self._set(process_set)
         if isinstance(optimizer, torch.optim.Optimizer):
             named: Optional[list] = None
             if model is not None:
@@ -251,9 +227,9 @@ class Backend(HorovodJob):
             wrapped = hvd.DistributedOptimizer(
                 optimizer,
                 named_parameters=named,
-                compression=_COMPRESSIONS[compression],
+                compression=self._compression(compression),
                 backward_passes_per_step=backward_passes_per_step,
-                op=_OPS[op],
+                op=self._op(op),
                 gradient_predivide_factor=gradient_predivide_factor,
                 process_set=horovod_set,
             )
@@ -264,7 +240,7 @@ class Backend(HorovodJob):
         if hvdp_keras.is_keras_optimizer(optimizer):
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
-            horovod_op, comp = _OPS[name], _COMPRESSIONS[compression]
+            horovod_op, comp = self._op(name), self._compression(compression)
 
             # Named: Horovod's torch names for unnamed tensors count per process, not per set.
             def reduce(tensors: List[Any]) -> List[Any]:
@@ -284,7 +260,7 @@ class Backend(HorovodJob):
         )
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
-        horovod_set = _set(process_set)
+        horovod_set = self._set(process_set)
         if hvdp_keras.is_keras_model(model):
             hvdp_keras.broadcast_state(
                 model, optimizer, root_rank,
@@ -330,31 +306,30 @@ class Backend(HorovodJob):
         if not is_root:
             load_state_keeping_objects(optimizer, _put_tensors(skeleton, tensors))
 
+    def _to_tensor(self, value: Any, caller: str) -> Tuple[Any, bool]:
+        if isinstance(value, torch.Tensor):
+            return value, False
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(np.ascontiguousarray(value)), True
+        raise TypeError(
+            f"{caller} on torch takes a torch.Tensor, a NumPy array or a Python number, got {type(value).__name__}."
+        )
+
+    def _from_tensor(self, result: Any, as_numpy: bool) -> Any:
+        return result.detach().numpy() if as_numpy else result
+
     def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
-        tensor, as_numpy = _as_tensor(value, "allreduce")
+        tensor, as_numpy = self._to_tensor(value, "allreduce")
         if tensor.requires_grad and torch.is_grad_enabled():  # differentiable: Horovod's autograd op
-            return _same_kind(hvd.allreduce(tensor, op=_OPS[op], name=name, process_set=_set(process_set)),
-                              as_numpy)
-        handle = hvd.allreduce_async(tensor, op=_OPS[op], name=name, process_set=_set(process_set))
+            return self._from_tensor(hvd.allreduce(tensor, op=self._op(op), name=name,
+                                                   process_set=self._set(process_set)), as_numpy)
+        handle = hvd.allreduce_async(tensor, op=self._op(op), name=name, process_set=self._set(process_set))
         _wait(handle)
-        return _same_kind(hvd.synchronize(handle), as_numpy)
-
-    def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
-        tensor, as_numpy = _as_tensor(value, "allgather")
-        return _same_kind(hvd.allgather(tensor, name=name, process_set=_set(process_set)), as_numpy)
-
-    def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
-        tensor, as_numpy = _as_tensor(value, "broadcast")
-        return _same_kind(hvd.broadcast(tensor, root_rank, name=name, process_set=_set(process_set)), as_numpy)
-
-    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, name: Optional[str] = None) -> Any:
-        # Named: Horovod names it after type(obj), which differs between ranks (None off the root) and hangs.
-        return hvd.broadcast_object(obj, root_rank=root_rank, name=name or "hvdp.broadcast_object",
-                                    process_set=_set(process_set))
+        return self._from_tensor(hvd.synchronize(handle), as_numpy)
 
     def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
         # Horovod 0.28.1's torch allgather_object takes no process set: the same steps, with one.
-        horovod_set = _set(process_set)
+        horovod_set = self._set(process_set)
         data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
         sizes = hvd.allgather(torch.tensor([data.numel()]), name="hvdp.allgather_object.sizes",
                               process_set=horovod_set).tolist()
@@ -363,7 +338,7 @@ class Backend(HorovodJob):
         return [cloudpickle.loads(gathered[end - size:end]) for size, end in zip(sizes, ends)]
 
     def barrier(self, process_set: Any) -> None:
-        hvd.barrier(process_set=_set(process_set))
+        hvd.barrier(process_set=self._set(process_set))
 
     def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
         if hvdp_keras.is_keras_model(model):
