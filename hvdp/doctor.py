@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import shutil
@@ -215,6 +216,26 @@ def render(report: Report) -> str:
         lines.append("No problems found.")
     lines.append("OK: Horovod can run a job." if report.ok else "NOT OK: Horovod cannot run a job.")
     return "\n".join(lines)
+
+
+#: What ``hvdp doctor --help`` says above the options.
+DESCRIPTION = """\
+Show the versions of Python, hvdp, the frameworks, Keras, Horovod and MPI, what
+Horovod was built with (controllers, NCCL, CUDA, GPUs seen), and each problem with
+the command that fixes it. Exit status 0 when Horovod can run a job, 1 when not.
+Takes a few seconds (each framework is imported in its own process)."""
+#: What ``hvdp doctor --help`` says below the options.
+EPILOG = """examples:
+  hvdp doctor           the report, for people
+  hvdp doctor --json    the same facts as JSON, for scripts and CI"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``hvdp doctor`` and its help text, on the CLI's subparser."""
+    parser.description = DESCRIPTION
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
 def main(as_json: bool = False) -> int:
