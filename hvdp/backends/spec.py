@@ -37,6 +37,7 @@ class FrameworkSpec:
         gpu_patches: changes only a GPU build needs.
         cuda_probe: Python that prints something non-empty when the installed build has CUDA.
         gpu_count_probe: Python run with ``facts`` (a dict) in scope, setting ``facts['gpus']``.
+        bench_models: the module whose ``model(name)`` builds ``hvdp bench``'s models in it.
     """
 
     name: str
@@ -49,3 +50,4 @@ class FrameworkSpec:
     gpu_patches: Tuple[Patch, ...] = ()
     cuda_probe: str = ""
     gpu_count_probe: str = ""
+    bench_models: str = ""

@@ -15,4 +15,5 @@ SPEC = FrameworkSpec(
     python_patches=tensorflow_patches.KERAS3_PATCHES,
     cuda_probe="import tensorflow as tf; print('1' if tf.test.is_built_with_cuda() else '')",
     gpu_count_probe="import tensorflow as tf; facts['gpus'] = len(tf.config.list_physical_devices('GPU'))",
+    bench_models="hvdp.backends.tensorflow_models",
 )

@@ -63,7 +63,7 @@ def _torch_train(impl: str, model_name: str, batch: int, warmup: int, steps: int
     import torch.nn.functional as F  # noqa: N812
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    model = models.torch_model(model_name)
+    model = models.build("torch", model_name)
     optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if impl == "hvdp":
         import hvdp
@@ -122,12 +122,12 @@ def _tf_train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         rank, size = int(json.loads(os.environ["TF_CONFIG"])["task"]["index"]), strategy.num_replicas_in_sync
         with strategy.scope():
-            model = models.keras_model(model_name)
+            model = models.build("tensorflow", model_name)
             optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
             model.build((None, *_keras_shape(model_name)))
             optimizer.build(model.trainable_variables)
     else:
-        model = models.keras_model(model_name)
+        model = models.build("tensorflow", model_name)
         optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
         optimizer.build(model.trainable_variables)
     reduce: Optional[Callable[[List[Any]], List[Any]]] = None
