@@ -94,7 +94,7 @@ def test_gpu_image_builds_nccl_with_one_cuda_version_for_everything():
     # [and-cuda] libraries are CUDA 12 (nvidia-*-cu12), so the toolkit is CUDA 12 too.
     assert args["TORCH_INDEX_URL"].endswith(f"/whl/cu{cuda.group(1)}{cuda.group(2)}")
     assert cuda.group(1) == "12" and '"tensorflow[and-cuda]==${TENSORFLOW_VERSION}"' in text
-    assert "hvdp build --gpu" in text and "libnccl-dev" in text
+    assert "BuildOptions(gpu=True" in text and "libnccl-dev" in text
     assert re.fullmatch(r"\d+(,\d+)*", args["CUDA_CC_LIST"])
 
 
