@@ -38,6 +38,8 @@ class FrameworkSpec:
         cuda_probe: Python that prints something non-empty when the installed build has CUDA.
         gpu_count_probe: Python run with ``facts`` (a dict) in scope, setting ``facts['gpus']``.
         bench_models: the module whose ``model(name)`` builds ``hvdp bench``'s models in it.
+        bench_native: ``hvdp bench``'s contender for the framework's own data parallelism.
+        bench_env: variables every ``hvdp bench`` job of the framework gets, unless already set.
     """
 
     name: str
@@ -51,3 +53,5 @@ class FrameworkSpec:
     cuda_probe: str = ""
     gpu_count_probe: str = ""
     bench_models: str = ""
+    bench_native: str = ""
+    bench_env: Tuple[Tuple[str, str], ...] = ()

@@ -32,4 +32,5 @@ SPEC = FrameworkSpec(
     cuda_probe="import torch; print(torch.version.cuda or '')",
     gpu_count_probe="import torch; facts['gpus'] = torch.cuda.device_count()",
     bench_models="hvdp.backends.torch_models",
+    bench_native="ddp",  # DistributedDataParallel over Gloo, under torchrun
 )
