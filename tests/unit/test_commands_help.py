@@ -1,4 +1,4 @@
-"""hvdp build, doctor and bench as commands: each --help says what it does, how long it takes and
+"""hvdp build, doctor, bench and report as commands: each --help says what it does, how long it takes and
 shows examples; each expected failure is one clear line and exit status 2, never a traceback."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdp import bench, doctor
+from hvdp import bench, doctor, report
 from hvdp.build import command as build_command
 from hvdp.build import steps
 from hvdp.errors import BuildError
@@ -30,6 +30,7 @@ def _help(name: str, add_arguments) -> str:
     ("build", build_command.add_arguments, "Build Horovod 0.28.1 from its PyPI source", "about 4-5 min on 2 cores"),
     ("doctor", doctor.add_arguments, "Show the versions", "a few seconds"),
     ("bench", bench.add_arguments, "Measure hvdp side by side", "about 25 min (the full run)"),
+    ("report", report.add_arguments, "Read the per-rank records", "Takes a second"),
 ])
 def test_each_help_says_what_it_does_how_long_and_shows_examples(name, add_arguments, says, takes):
     text = _help(name, add_arguments)
