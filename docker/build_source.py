@@ -8,6 +8,7 @@ Horovod layer is rebuilt only when one of these files changes, not on any change
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -34,6 +35,10 @@ def main(src: Path, dest: Path) -> None:
         for folder in DATA:
             shutil.copytree(src / folder, dest / folder, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("__pycache__"))
+        # The same files give the same layer: no time of this copy is left in it (an engine that
+        # digests metadata, as podman 4's does, would otherwise never reuse the Horovod layer).
+        for path in [*dest.rglob("*"), dest]:
+            os.utime(path, (0, 0), follow_symlinks=False)
         for path in sorted(dest.rglob("*.py")):
             print(path.relative_to(dest))
 
