@@ -37,7 +37,7 @@ class FrameworkSpec:
         gpu_patches: changes only a GPU build needs.
         cuda_probe: Python that prints something non-empty when the installed build has CUDA.
         gpu_count_probe: Python run with ``facts`` (a dict) in scope, setting ``facts['gpus']``.
-        bench_models: the module whose ``model(name)`` builds ``hvdp bench``'s models in it.
+        bench_module: ``hvdp bench`` in the framework: ``build_model(name)``, and ``train(...)`` timing it.
         bench_native: ``hvdp bench``'s contender for the framework's own data parallelism.
         bench_env: variables every ``hvdp bench`` job of the framework gets, unless already set.
     """
@@ -52,6 +52,6 @@ class FrameworkSpec:
     gpu_patches: Tuple[Patch, ...] = ()
     cuda_probe: str = ""
     gpu_count_probe: str = ""
-    bench_models: str = ""
+    bench_module: str = ""
     bench_native: str = ""
     bench_env: Tuple[Tuple[str, str], ...] = ()

@@ -1,16 +1,19 @@
-"""The benchmark models of :mod:`hvdp.bench.models` in PyTorch (imported by the bench's torch processes only)."""
+"""``hvdp bench`` in PyTorch: its models, and training one under each contender (imported by the bench's torch
+processes only)."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, List, Tuple
 
 import torch
 from torch import nn
 
+from hvdp.bench import models, timing
 from hvdp.bench.models import CLASSES, MLP_LAYERS, MLP_WIDTH, MODELS
 
 
-def model(name: str) -> Any:
+def build_model(name: str) -> Any:
     """The torch ``nn.Module`` named ``name`` (one of :data:`hvdp.bench.models.MODELS`)."""
     torch.manual_seed(0)
     if name == "cnn":
@@ -56,3 +59,53 @@ def _resnet18() -> Any:
         cin = cout
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, CLASSES)]
     return nn.Sequential(*layers)
+
+
+def train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tuple[int, int, List[float]]:
+    """Train ``model_name`` under ``impl`` (hvdp, horovod, ddp, single); (rank, size, seconds per measured step)."""
+    import torch.nn.functional as F  # noqa: N812
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    model = build_model(model_name)
+    optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if impl == "hvdp":
+        import hvdp
+
+        hvdp.init(framework="torch")
+        rank, size = hvdp.rank(), hvdp.size()
+        optimizer = hvdp.DistributedOptimizer(optimizer, model)
+        hvdp.broadcast_state(model, optimizer)
+    elif impl == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    elif impl == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif impl == "single":
+        rank, size = 0, 1
+    else:
+        raise ValueError(f"Unknown torch training implementation {impl!r}.")
+    xs, ys = models.synthetic_batches(model_name, batch, timing.POOL, seed=1000 + rank)
+    x, y = torch.from_numpy(xs), torch.from_numpy(ys)
+
+    def step(i: int) -> None:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x[i % timing.POOL]), y[i % timing.POOL])
+        loss.backward()
+        optimizer.step()
+
+    times = timing.timed_steps(step, warmup, steps)
+    if impl == "ddp":
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return rank, size, times

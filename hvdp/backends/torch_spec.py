@@ -31,6 +31,6 @@ SPEC = FrameworkSpec(
     ),
     cuda_probe="import torch; print(torch.version.cuda or '')",
     gpu_count_probe="import torch; facts['gpus'] = torch.cuda.device_count()",
-    bench_models="hvdp.backends.torch_models",
+    bench_module="hvdp.backends.torch_bench",
     bench_native="ddp",  # DistributedDataParallel over Gloo, under torchrun
 )

@@ -6,7 +6,7 @@
   (11.2 M parameters, 45 MB of float32 gradients).
 
 Each framework builds them in its own module beside its backend
-(``hvdp/backends/<framework>_models.py``, named by its spec's ``bench_models``);
+(``hvdp/backends/<framework>_bench.py``, named by its spec's ``bench_module``);
 :func:`build` imports it, so nothing here imports a framework.
 """
 
@@ -43,4 +43,4 @@ def synthetic_batches(model: str, batch: int, count: int, seed: int) -> Tuple[np
 
 def build(framework: str, name: str) -> Any:
     """The model named ``name`` for ``framework`` (a torch module, or a Keras 3 model for TensorFlow)."""
-    return importlib.import_module(SPECS[framework].bench_models).model(name)
+    return importlib.import_module(SPECS[framework].bench_module).build_model(name)

@@ -176,8 +176,8 @@ def test_each_framework_builds_the_models_beside_its_backend():
     from hvdp.backends.registry import SPECS
     from hvdp.bench import models
 
-    assert [spec.bench_models for spec in SPECS.values()] == ["hvdp.backends.torch_models",
-                                                                "hvdp.backends.tensorflow_models"]
+    assert [spec.bench_module for spec in SPECS.values()] == ["hvdp.backends.torch_bench",
+                                                                "hvdp.backends.tensorflow_bench"]
     sizes = {name: sum(p.numel() for p in models.build("torch", name).parameters()) for name in models.MODELS}
     assert sizes == {"cnn": 582026, "mlp": 513162, "resnet18": 11181642}  # 0.6 M, 0.5 M, 11.2 M as documented
     with pytest.raises(ValueError, match="Unknown model 'vgg'. Expected one of: cnn, mlp, resnet18."):
