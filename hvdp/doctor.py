@@ -13,8 +13,8 @@ from typing import Dict, List, Optional
 
 from hvdp import __version__
 from hvdp.backends.registry import SPECS, dist_version, installed_versions
-from hvdp.build.cache import installed_record
-from hvdp.build.toolchain import mpi_version
+from hvdp.horovod_build.cache import installed_record
+from hvdp.horovod_build.toolchain import mpi_version
 
 _PROBE = """
 import json, sys

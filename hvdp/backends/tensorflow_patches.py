@@ -2,7 +2,7 @@
 
 Unpatched, they fail on Keras 3 variables or, for the Keras DistributedOptimizer, train
 without averaging. The larger insertions are modules in ``hvdp/horovod_patches/``; what
-each change fixes is its ``why``. ``hvdp build`` applies them (see :mod:`hvdp.build.patches`).
+each change fixes is its ``why``. ``hvdp build`` applies them (see :mod:`hvdp.horovod_build.patches`).
 """
 
 from __future__ import annotations

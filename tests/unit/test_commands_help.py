@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from hvdp import bench, doctor, report
-from hvdp.build import command as build_command
-from hvdp.build import steps
 from hvdp.errors import BuildError
+from hvdp.horovod_build import command as build_command
+from hvdp.horovod_build import steps
 
 REPO = Path(__file__).resolve().parents[2]
 HVDP = [sys.executable, "-m", "hvdp.cli"]

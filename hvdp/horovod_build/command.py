@@ -12,9 +12,9 @@ from typing import Any
 
 from hvdp.backends.registry import SPECS
 from hvdp.build import build
-from hvdp.build.options import BuildOptions
-from hvdp.build.source import HOROVOD_VERSION
 from hvdp.errors import BuildError
+from hvdp.horovod_build.options import BuildOptions
+from hvdp.horovod_build.source import HOROVOD_VERSION
 
 #: What ``hvdp build --help`` says above the options.
 DESCRIPTION = f"""\

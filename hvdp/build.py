@@ -1,8 +1,8 @@
 """Build Horovod 0.28.1 from its PyPI source for the frameworks installed, and cache the wheel.
 
 Horovod 0.28.1 (the last release) does not build unchanged against current
-PyTorch and TensorFlow. :func:`~hvdp.build.source.patch_source` makes exactly
-the changes they require (:mod:`hvdp.build.patches`), each checked to apply once:
+PyTorch and TensorFlow. :func:`patch_source` makes exactly the changes they
+require (:mod:`hvdp.horovod_build.patches`), each checked to apply once:
 
 1. C++17 instead of C++14 (top-level CMakeLists.txt and the torch extension);
    torch >= 2.1 and TensorFlow's absl headers need C++17.
@@ -21,10 +21,7 @@ the changes they require (:mod:`hvdp.build.patches`), each checked to apply once
 
 The wheel is cached outside the repository under a key made of everything that
 changes the binary (:func:`build_inputs`), so a second build with the same inputs
-only reinstalls it. The parts: :mod:`~hvdp.build.source` (the sdist),
-:mod:`~hvdp.build.patches`, :mod:`~hvdp.build.toolchain` (CMake, compiler, MPI),
-:mod:`~hvdp.build.cuda` (``--gpu``), :mod:`~hvdp.build.cache` and
-:mod:`~hvdp.build.steps` (environment, compile, install). What differs between
+only reinstalls it. Its parts are in :mod:`hvdp.horovod_build`; what differs between
 frameworks comes from :mod:`hvdp.backends.registry`.
 """
 
@@ -41,8 +38,9 @@ from pathlib import Path
 from typing import Dict, List
 
 from hvdp.backends.registry import SPECS, dist_version, installed_versions
-from hvdp.build.cache import BUILD_RECORD, cache_dir, cache_key, installed_record, patches_digest
-from hvdp.build.cuda import (
+from hvdp.errors import BuildError
+from hvdp.horovod_build.cache import BUILD_RECORD, cache_dir, cache_key, installed_record, patches_digest
+from hvdp.horovod_build.cuda import (
     assemble_cuda_home,
     find_cuda_home,
     find_nccl_home,
@@ -53,9 +51,9 @@ from hvdp.build.cuda import (
     pip_cuda_roots,
     toolkit_environment,
 )
-from hvdp.build.options import BuildOptions
-from hvdp.build.patches import GPU_PATCHES, KERAS3_PATCHES, PATCH_LEVEL, PATCHES, Patch
-from hvdp.build.source import (
+from hvdp.horovod_build.options import BuildOptions
+from hvdp.horovod_build.patches import GPU_PATCHES, KERAS3_PATCHES, PATCH_LEVEL, PATCHES, Patch
+from hvdp.horovod_build.source import (
     HOROVOD_VERSION,
     SDIST_NAME,
     SDIST_SHA256,
@@ -64,7 +62,7 @@ from hvdp.build.source import (
     patch_source,
     unpack_sdist,
 )
-from hvdp.build.steps import (
+from hvdp.horovod_build.steps import (
     BUILD_REQUIREMENTS,
     build_environment,
     install_requirements,
@@ -72,8 +70,7 @@ from hvdp.build.steps import (
     run_logged,
     wheel_command,
 )
-from hvdp.build.toolchain import APT_FIX, check_toolchain, compiler, first_line, mpi_version
-from hvdp.errors import BuildError
+from hvdp.horovod_build.toolchain import APT_FIX, check_toolchain, compiler, first_line, mpi_version
 
 __all__ = [
     "APT_FIX", "BUILD_RECORD", "BUILD_REQUIREMENTS", "GPU_PATCHES", "HOROVOD_VERSION", "KERAS3_PATCHES",

@@ -5,7 +5,7 @@ headers need it), and two fixes to Horovod's Gloo controller (process sets' Gloo
 contexts use ``HOROVOD_GLOO_IFACE``; the stall inspector sees every rank). Each
 framework's own changes come from its :class:`~hvdp.backends.spec.FrameworkSpec`.
 
-Every patch's text is part of the cache key (:func:`hvdp.build.cache.patches_digest`),
+Every patch's text is part of the cache key (:func:`hvdp.horovod_build.cache.patches_digest`),
 so the order below is part of it too: change it only with a rebuild in mind.
 """
 

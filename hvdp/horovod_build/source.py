@@ -9,9 +9,9 @@ import tarfile
 from pathlib import Path
 from typing import Callable, List, Sequence
 
-from hvdp.build.cache import cache_dir
-from hvdp.build.patches import PATCHES, Patch
 from hvdp.errors import BuildError
+from hvdp.horovod_build.cache import cache_dir
+from hvdp.horovod_build.patches import PATCHES, Patch
 
 HOROVOD_VERSION = "0.28.1"
 SDIST_NAME = f"horovod-{HOROVOD_VERSION}.tar.gz"

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hvdp.backends.registry import SPECS
-from hvdp.build.cache import cache_dir, site_dir
 from hvdp.errors import BuildError
+from hvdp.horovod_build.cache import cache_dir, site_dir
 
 
 def framework_cuda_problems(frameworks: Dict[str, str]) -> List[str]:

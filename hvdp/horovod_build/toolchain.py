@@ -7,8 +7,8 @@ import shutil
 import subprocess
 from typing import List, Optional
 
-from hvdp.build.options import BuildOptions
 from hvdp.errors import BuildError
+from hvdp.horovod_build.options import BuildOptions
 
 APT_FIX = "apt-get update && apt-get install -y {packages}"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
 
 from hvdp.backends.registry import SPECS
-from hvdp.build.cache import BUILD_RECORD, site_dir
-from hvdp.build.options import BuildOptions
 from hvdp.errors import BuildError
+from hvdp.horovod_build.cache import BUILD_RECORD, site_dir
+from hvdp.horovod_build.options import BuildOptions
 
 #: Python packages Horovod's setup.py imports (we build without isolation).
 BUILD_REQUIREMENTS = ["cloudpickle", "psutil", "pyyaml", "packaging", "setuptools", "wheel"]
