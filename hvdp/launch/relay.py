@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvdp.failures import Failure
+from hvdp.launch import worker
 from hvdp.launch.args import OUTPUT_MODES
 
 #: Start-up lines of TensorFlow, absl and oneDNN (as TensorFlow 2.16-2.20 print them on every rank).
@@ -297,18 +298,22 @@ def worker_command(command: Sequence[str], python: str = sys.executable) -> List
     return [python, str(Path(__file__).with_name("worker.py")), *command]
 
 
-def tty_size(out: IO[str], err: IO[str]) -> str:
-    """``COLUMNSxLINES`` of the terminal ``out`` writes to (``:shared`` when ``err`` is the same), or ""."""
+def stream_env(out: IO[str], err: IO[str], mode: str) -> Dict[str, str]:
+    """What rank 0's bootstrap needs to know of ``hvdp run``'s stdout and stderr.
+
+    :data:`worker.TTY_VAR`: the terminal's size when ``out`` is one (rank 0 then writes to a
+    pseudo-terminal); :data:`worker.SHARED_VAR`: set when ``out`` and ``err`` are the same
+    terminal, pipe or file (rank 0 then writes both to one, so their order is kept).
+    """
+    if mode == "prefixed":
+        return {}
+    env: Dict[str, str] = {}
     try:
-        if not out.isatty():
-            return ""
-        size = os.get_terminal_size(out.fileno())
-    except (OSError, ValueError, AttributeError):
-        return ""
-    shared = ""
-    try:
+        if out.isatty():
+            size = os.get_terminal_size(out.fileno())
+            env[worker.TTY_VAR] = f"{size.columns}x{size.lines}"
         if os.path.samestat(os.fstat(out.fileno()), os.fstat(err.fileno())):
-            shared = ":shared"
+            env[worker.SHARED_VAR] = "1"
     except (OSError, ValueError, AttributeError):
         pass
-    return f"{size.columns}x{size.lines}{shared}"
+    return env

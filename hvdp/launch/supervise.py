@@ -27,7 +27,7 @@ from typing import IO, Dict, List, Optional, Tuple
 from hvdp.failures import Failure
 from hvdp.launch import worker
 from hvdp.launch.elastic import ElasticReporter
-from hvdp.launch.relay import Display, Relay, Terminal, is_noise, reachable_address, tty_size
+from hvdp.launch.relay import Display, Relay, Terminal, is_noise, reachable_address, stream_env
 from hvdp.launch.stop import (
     GRACE_S,
     JOB_ID_VAR,
@@ -107,9 +107,7 @@ def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) ->
         bind, host = reachable_address(settings.hosts)
         relay.start(bind)
         job.env = {**job.env, worker.ADDRESS_VAR: relay.address(host)}
-        size = tty_size(out, err)
-        if size and settings.mode != "prefixed":
-            job.env[worker.TTY_VAR] = size
+        job.env.update(stream_env(out, err, settings.mode))
     stop = threading.Event()
     urgent = threading.Event()
 

@@ -33,9 +33,11 @@ from typing import Dict, List, Optional
 
 #: ``host:port:token`` of ``hvdp run``'s output listener.
 ADDRESS_VAR = "HVDP_OUTPUT_ADDRESS"
-#: ``COLUMNSxLINES`` when ``hvdp run`` writes to a terminal (rank 0 then writes to pseudo-terminals);
-#: ``COLUMNSxLINES:shared`` when its stdout and stderr are the same terminal (rank 0 then gets one).
+#: ``COLUMNSxLINES`` when ``hvdp run`` writes to a terminal (rank 0 then writes to pseudo-terminals).
 TTY_VAR = "HVDP_OUTPUT_TTY"
+#: Set when ``hvdp run``'s stdout and stderr are the same terminal, pipe or file: rank 0 then writes
+#: both to one, so that their order is kept (a progress bar on stderr, lines on stdout).
+SHARED_VAR = "HVDP_OUTPUT_SHARED"
 #: The file COMMAND writes its failure record to (:data:`hvdp.failures.FILE_VAR`).
 FAILURE_VAR = "HVDP_FAILURE_FILE"
 _HEADER = struct.Struct("!cI")
@@ -122,6 +124,7 @@ def main(command: List[str]) -> int:
     """Run COMMAND as this rank, its output and failure sent to ``hvdp run``; its exit code."""
     conn = _connect(os.environ.pop(ADDRESS_VAR, ""))
     size = os.environ.pop(TTY_VAR, "")
+    shared = os.environ.pop(SHARED_VAR, "")
     if conn is None:
         os.execvp(command[0], command)  # no launcher to talk to: the output takes horovodrun's way
     sender = _Sender(conn)
@@ -129,9 +132,8 @@ def main(command: List[str]) -> int:
     os.close(fd)
     os.unlink(failure_file)
     env: Dict[str, str] = {**os.environ, FAILURE_VAR: failure_file}
-    size, _, shared = size.partition(":")
-    if size and _rank() == 0 and shared:  # one terminal for both, in the order they were written
-        pipes = [_terminal(size)]
+    if _rank() == 0 and shared:  # one channel for both, in the order they were written
+        pipes = [_terminal(size) if size else os.pipe()]
     else:
         pipes = [_terminal(size) if size and _rank() == 0 else os.pipe() for _ in ("stdout", "stderr")]
     child = subprocess.Popen(command, stdout=pipes[0][1], stderr=pipes[-1][1], env=env,
