@@ -73,8 +73,8 @@ def test_no_job_key_is_in_the_image(image):
 
 
 def test_a_change_to_hvdp_rebuilds_without_compiling_horovod(image, tmp_path):
-    """A copy of the repository with one line added to hvdp/ builds from the layer cache up to the
-    Horovod wheel: only hvdp's own install and the doctor run again."""
+    """A copy of the repository with one line added to hvdp/ builds without compiling Horovod:
+    cached layers up to the frameworks, the cached Horovod wheel, then hvdp's install and doctor."""
     copy = tmp_path / "repo"
     files = subprocess.run(["git", "ls-files", "-z"], cwd=pm.REPO, capture_output=True, check=True).stdout
     for name in filter(None, files.decode().split("\0")):
@@ -94,8 +94,13 @@ def test_a_change_to_hvdp_rebuilds_without_compiling_horovod(image, tmp_path):
     try:
         assert done.returncode == 0, text[-4000:]
         print(f"\n[image] rebuilt after a change to hvdp/ in {seconds:.0f} s (cold: {image.seconds:.0f} s)")
+        frameworks = text[text.index("pip install \"torch=="):text.index("AS build-source")]
+        assert "--> Using cache" in frameworks, frameworks  # apt and the frameworks: cached layers
+        # Horovod: podman 4.3 (buildah 1.28) never reuses a COPY --from layer, so the Horovod step
+        # runs again, and installs the wheel of the same cache key that the host's cache holds;
+        # Docker's BuildKit reuses the layer itself (the copied files are the same, times included).
         build_step = text[text.index("from hvdp.build import"):text.index("COPY setup.py")]
-        assert "--> Using cache" in build_step and "Compiling" not in text, build_step
+        assert "Cache hit:" in build_step and "Compiling" not in text, build_step
         assert "Processing /opt/hvdp" in text or "Successfully installed hvdp" in text
         assert seconds < 300
     finally:
@@ -142,9 +147,9 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_a_failed_worker_ends_the_job_naming_its_rank(project, fault):
-    """Rank 1 runs on worker2 (-H worker1:1,worker2:1). The job trains for minutes unless stopped."""
+def run_fault(project: pm.Project, fault: str):
+    """Train for minutes, do ``fault`` to worker2 (rank 1: -H worker1:1,worker2:1) after 2 epochs;
+    (exit code, seconds from the fault to the end of `up`, hvdp's failure line, the output)."""
     act, bound = FAULTS[fault]
     project.settings = {"HVDP_STALL_TIMEOUT": "15", "HVDP_EPOCHS": "2000"}
     project.up()
@@ -154,12 +159,23 @@ def test_a_failed_worker_ends_the_job_naming_its_rank(project, fault):
     code = project.wait(bound + 120)
     ended = time.monotonic() - hit
     output = project.output()
-    lines = [line for line in output.splitlines() if "hvdp run" in line or "rank 1" in line]
-    print(f"\n[fault] {fault}: exit {code} {ended:.1f} s after the fault\n" + "\n".join(lines[-8:]))
-    assert code != 0, output[-4000:]
-    assert ended < bound, output[-4000:]
-    assert re.search(r"\brank 1\b", output), output[-4000:]
-    if fault == "kill":
-        assert "worker2" in output, output[-4000:]
     if fault == "pause":
         pm.podman("unpause", project.container("worker2"), check=False)
+    failed = [line for line in output.splitlines() if "hvdp: the job failed" in line or "hvdp run: " in line]
+    print(f"\n[fault] {fault}: exit {code} {ended:.1f} s after the fault\n" + "\n".join(failed))
+    return code, ended, (failed or [""])[-1], output
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_failed_worker_ends_the_job_naming_its_rank(project, fault):
+    code, ended, line, output = run_fault(project, fault)
+    assert code != 0, output[-4000:]
+    assert ended < FAULTS[fault][1], output[-4000:]
+    assert re.search(r"\brank 1\b", line), output[-4000:]
+
+
+@pytest.mark.xfail(strict=True, reason="hvdp's failure line names ranks and exit statuses, not hosts: "
+                   "'rank 0 exited with status 255; rank 1 exited with status 255' for a killed worker2")
+def test_a_killed_worker_is_named_by_its_host(project):
+    code, ended, line, output = run_fault(project, "kill")
+    assert code != 0 and "worker2" in line
