@@ -14,11 +14,11 @@ from __future__ import annotations
 from hvdp.launch.args import (
     DEFAULT_ELASTIC_TIMEOUT,
     DEFAULT_STALL_TIMEOUT,
-    USAGE,
     RunArgs,
     check_elastic_args,
     horovodrun_arity,
     parse_run_args,
+    run_parser,
 )
 from hvdp.launch.command import THREAD_VARS, build_command, horovodrun_path, resolve_hosts
 from hvdp.launch.hosts import (
@@ -34,8 +34,8 @@ from hvdp.launch.run import run
 from hvdp.launch.watch import JobWatcher, describe_exit
 
 __all__ = [
-    "DEFAULT_ELASTIC_TIMEOUT", "DEFAULT_STALL_TIMEOUT", "THREAD_VARS", "USAGE", "JobWatcher", "RunArgs",
+    "DEFAULT_ELASTIC_TIMEOUT", "DEFAULT_STALL_TIMEOUT", "THREAD_VARS", "JobWatcher", "RunArgs",
     "build_command", "check_discovery_script", "check_elastic_args", "describe_exit", "discovery_script_path",
     "expand_nodelist", "expand_tasks_per_node", "horovodrun_arity", "horovodrun_path", "parse_hostfile",
-    "parse_hosts", "parse_run_args", "resolve_hosts", "run", "slurm_hosts",
+    "parse_hosts", "parse_run_args", "resolve_hosts", "run", "run_parser", "slurm_hosts",
 ]

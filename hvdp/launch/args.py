@@ -14,62 +14,20 @@ from hvdp.launch.hosts import parse_hosts
 #: What ``--output`` accepts (:mod:`hvdp.launch.relay`).
 OUTPUT_MODES = ("all", "rank0", "prefixed")
 
-USAGE = """usage: hvdp run [-np N] [--framework torch|tensorflow] [--gloo | --mpi]
-                [-H HOSTS | --hostfile FILE] [-p PORT] [-i KEY] [--network-interface NIC]
-                [--profile DIR] [--timeline FILE] [--stall-timeout SECONDS]
-                [--elastic --host-discovery-script FILE [--min-np N] [--max-np M]]
-                [--dry-run] [horovodrun options] COMMAND ...
+DESCRIPTION = "Runs COMMAND (a .py file is run with this Python) on N processes through horovodrun."
 
-Runs COMMAND (a .py file is run with this Python) on N processes through horovodrun.
-
-  -np, --num-proc N     number of processes (inside a Slurm allocation: default, all its tasks)
-  --framework NAME      torch or tensorflow: hvdp.init() in every process uses it,
-                        and Keras 3 models run on the same backend (KERAS_BACKEND)
-  --gloo | --mpi        the controller (default: gloo, the faster one on CPU here)
-  -H, --hosts HOSTS     e.g. host1:2,host2:2 (default: localhost:N, or inside a Slurm
-                        allocation its nodes and tasks per node)
-  --hostfile FILE       one 'host slots=N' (or 'host:N', or 'host' for 1 slot) per line; # comments
-  -p, --ssh-port PORT   ssh port of every host (default: ssh's own, 22)
-  -i, --ssh-identity-file KEY
-                        private key ssh uses to reach the hosts
-  --network-interface NIC
-                        the interface ranks talk over, e.g. eth0 (repeat, or a,b, for several;
-                        default: horovodrun finds the interfaces common to all hosts)
-  --profile DIR         record hvdp.profiler steps of every rank in DIR (then: hvdp report DIR)
-  --timeline FILE       write Horovod's timeline of the run to FILE (chrome://tracing format)
-  --stall-timeout S     end the job when a rank has not joined a collective for S seconds
-                        (default 300; Horovod's stall inspector names the missing ranks and
-                        tensors, under Gloo and MPI; 0 turns it off)
-  --elastic             elastic training (hvdp.elastic): workers may fail, leave and join while
-                        the job runs; needs Gloo (not --mpi) and a discovery script
-  --host-discovery-script FILE
-                        an executable that prints the hosts available now, one 'HOST:SLOTS'
-                        (or 'HOST', 1 slot unless --slots-per-host) per line; run every second
-  --min-np N            train while at least N processes are up (default: -np)
-  --elastic-timeout S   end an elastic job that has waited S seconds for --min-np processes
-                        (default 120; meanwhile hvdp run says what it waits for)
-  --max-np M            never start more than M processes (default: as many as there are slots)
-                        (-np, default --min-np, is the number to start with)
-  --output all|rank0|prefixed
-                        all (default): rank 0's output as it writes it (a progress bar redraws in
-                        place), the other ranks' lines prefixed [N] when they print; rank0: rank 0
-                        only; prefixed: every rank's lines prefixed [N]
-  --log-dir DIR         keep every rank's complete output in DIR/rankN.log (horovodrun's own in
-                        DIR/launcher.log)
-  --startup-logs        show the frameworks' start-up log lines (TensorFlow, absl, oneDNN), hidden
-                        from the terminal by default
-  --dry-run             print the command and the environment hvdp sets, run nothing
-
-When a rank dies or stalls, every other rank is stopped and hvdp run exits non-zero
-with a line naming the failed rank(s). SIGTERM, SIGINT (Ctrl-C) or SIGHUP to hvdp run
-end every process of the job (SIGKILL after 5 s) and hvdp run exits 128 + the signal.
+EPILOG = """When a rank dies or stalls, every other rank is stopped and hvdp run exits non-zero
+with a line naming the first failure (a rank's exception: its traceback, printed once).
+SIGTERM, SIGINT (Ctrl-C) or SIGHUP to hvdp run end every process of the job (SIGKILL
+after 5 s) and hvdp run exits 128 + the signal.
 
 Defaults hvdp sets when you have not: OMP_NUM_THREADS, TF_NUM_INTRAOP_THREADS and
 TF_NUM_INTEROP_THREADS so that local processes share the cores instead of
 oversubscribing them (in a Slurm allocation: SLURM_CPUS_PER_TASK threads); for local
 jobs, HOROVOD_CYCLE_TIME=5 and, under --mpi, OMPI_MCA_mpi_yield_when_idle=1 (measured
-by hvdp bench; see hvdp/tuning.py). Any other
-option before COMMAND is passed to horovodrun (see horovodrun --help)."""
+by hvdp bench; see hvdp/tuning.py). Any other option before COMMAND is passed to
+horovodrun (see horovodrun --help)."""
+
 
 #: Seconds a rank may stay out of a collective before the job is ended (``--stall-timeout``).
 DEFAULT_STALL_TIMEOUT = 300
@@ -143,10 +101,128 @@ def horovodrun_arity() -> Dict[str, int]:
     return arity
 
 
-def _value(argv: List[str], i: int, flag: str) -> str:
-    if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
-        raise LaunchError(f"hvdp run: {flag} needs a value. See hvdp run --help.")
-    return argv[i + 1]
+def run_parser() -> argparse.ArgumentParser:
+    """The parser of ``hvdp run``'s own options: its groups are ``hvdp run --help``.
+
+    Values stay text here; :func:`parse_run_args` checks them with messages that name the fix.
+    """
+    parser = argparse.ArgumentParser(
+        prog="hvdp run", usage="hvdp run [options] [horovodrun options] COMMAND ...", description=DESCRIPTION,
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.error = _error  # type: ignore[method-assign,assignment]
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND ...",
+                        help="the program and its arguments (a .py file runs with this Python)")
+    procs = parser.add_argument_group("processes and hosts")
+    procs.add_argument("-np", "--num-proc", "-n", dest="num_proc", metavar="N",
+                       help="number of processes (default with hosts: their slots; in a Slurm allocation: "
+                            "all its tasks)")
+    procs.add_argument("-H", "--hosts", metavar="HOSTS",
+                       help="e.g. host1:2,host2:2 (default: localhost:N, or the Slurm allocation's nodes)")
+    procs.add_argument("--hostfile", "-hostfile", metavar="FILE",
+                       help="one 'host slots=N' (or 'host:N', or 'host' for 1 slot) per line; # comments")
+    procs.add_argument("-p", "--ssh-port", metavar="PORT", help="ssh port of every host (default: ssh's own, 22)")
+    procs.add_argument("-i", "--ssh-identity-file", metavar="KEY", help="private key ssh uses to reach the hosts")
+    procs.add_argument("--network-interface", "--network-interfaces", dest="nics", action="append", default=[],
+                       metavar="NIC", help="the interface ranks talk over, e.g. eth0 (repeat, or a,b, for several; "
+                                           "default: horovodrun finds the interfaces common to all hosts)")
+    framework = parser.add_argument_group("framework and controller")
+    framework.add_argument("--framework", metavar="NAME",
+                           help="torch or tensorflow: hvdp.init() in every process uses it, and Keras 3 models run "
+                                "on the same backend (KERAS_BACKEND)")
+    framework.add_argument("--gloo", dest="controllers", action="append_const", const="gloo", default=[],
+                           help="the Gloo controller (the default: the faster one on CPU here)")
+    framework.add_argument("--mpi", dest="controllers", action="append_const", const="mpi",
+                           help="the MPI controller (mpirun)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--output", default="all", metavar="|".join(OUTPUT_MODES),
+                        help="all (default): rank 0's output as it writes it (a progress bar redraws in place), "
+                             "the other ranks' lines prefixed [N] when they print; rank0: rank 0 only; "
+                             "prefixed: every rank's lines prefixed [N]")
+    output.add_argument("--log-dir", metavar="DIR",
+                        help="keep every rank's complete output in DIR/rankN.log (horovodrun's own in "
+                             "DIR/launcher.log)")
+    output.add_argument("--startup-logs", action="store_true",
+                        help="show the frameworks' start-up log lines (TensorFlow, absl, oneDNN), hidden from "
+                             "the terminal by default")
+    watch = parser.add_argument_group("stalls and profiling")
+    watch.add_argument("--stall-timeout", metavar="S",
+                       help=f"end the job when a rank has not joined a collective for S seconds (default "
+                            f"{DEFAULT_STALL_TIMEOUT}; Horovod's stall inspector names the missing ranks and "
+                            f"tensors; 0 turns it off)")
+    watch.add_argument("--profile", metavar="DIR", help="record hvdp.profiler steps of every rank in DIR "
+                                                        "(then: hvdp report DIR)")
+    watch.add_argument("--timeline", metavar="FILE", help="write Horovod's timeline of the run to FILE "
+                                                          "(chrome://tracing format)")
+    elastic = parser.add_argument_group("elastic training (hvdp.elastic)")
+    elastic.add_argument("--elastic", action="store_true",
+                         help="workers may fail, leave and join while the job runs; needs Gloo (not --mpi) and "
+                              "a discovery script")
+    elastic.add_argument("--host-discovery-script", dest="discovery_script", metavar="FILE",
+                         help="an executable that prints the hosts available now, one 'HOST:SLOTS' (or 'HOST', "
+                              "1 slot unless --slots-per-host) per line; run every second")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", metavar="N",
+                         help="train while at least N processes are up (default: -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", metavar="M",
+                         help="never start more than M processes (default: as many as there are slots; -np, "
+                              "default --min-np, is the number to start with)")
+    elastic.add_argument("--elastic-timeout", metavar="S",
+                         help=f"end an elastic job that has waited S seconds for --min-np processes (default "
+                              f"{DEFAULT_ELASTIC_TIMEOUT}; meanwhile hvdp run says what it waits for)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the command and the environment hvdp sets, run nothing")
+    return parser
+
+
+def _error(message: str) -> None:
+    raise LaunchError(f"hvdp run: {message}. See hvdp run --help.")
+
+
+def split_args(argv: List[str], own: Dict[str, int],
+               arity: Optional[Dict[str, int]] = None) -> Tuple[List[str], List[str], List[str]]:
+    """``hvdp run``'s arguments as (hvdp's own options, horovodrun's options, the command).
+
+    The command starts at the first word that is not an option (or after ``--``); each
+    option takes as many values as its parser says (``own`` for hvdp's, horovodrun's own
+    parser for the rest, read only when such an option appears).
+
+    Example:
+        >>> split_args(["-np", "2", "--verbose", "t.py", "-x"], {"-np": 1}, {"--verbose": 0})
+        (['-np', '2'], ['--verbose'], ['t.py', '-x'])
+    """
+    mine: List[str] = []
+    passthrough: List[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        flag, equals, _ = token.partition("=")
+        if token == "--":
+            return mine, passthrough, argv[i + 1:]
+        if not token.startswith("-"):
+            break
+        if flag in own:
+            count = 0 if equals else own[flag]
+            values = argv[i + 1:i + 1 + count]
+            if len(values) < count or any(value.startswith("-") for value in values):
+                raise LaunchError(f"hvdp run: {flag} needs a value. See hvdp run --help.")
+            mine += argv[i:i + 1 + count]
+        else:
+            table = horovodrun_arity() if arity is None else arity
+            if flag not in table:
+                raise LaunchError(f"hvdp run: unknown option {flag!r}: not an hvdp run option nor a "
+                                  f"horovodrun option. See hvdp run --help and horovodrun --help.")
+            count = 0 if equals else table[flag]
+            passthrough += argv[i:i + 1 + count]
+        i += 1 + count
+    return mine, passthrough, argv[i:]
+
+
+def _count(flag: str, raw: Optional[str], least: int, what: str) -> Optional[int]:
+    """A whole number option, or LaunchError naming the value and an example."""
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) < least:
+        raise LaunchError(f"hvdp run: {flag} {raw!r} is not {what}, e.g. {flag} {max(least, 2)}.")
+    return int(raw)
 
 
 def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> RunArgs:
@@ -156,156 +232,78 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
         >>> parse_run_args(["-np", "2", "--framework", "torch", "train.py"], arity={}).framework
         'torch'
     """
+    parser = run_parser()
+    own = {option: 0 if action.nargs == 0 else 1 for action in parser._actions for option in action.option_strings}
+    mine, passthrough, command = split_args(argv, own, arity)
+    ns = parser.parse_args(mine)
     num_proc: Optional[int] = None
-    framework = hosts = hostfile = identity = None
+    if ns.num_proc is not None:
+        try:
+            num_proc = int(ns.num_proc)
+        except ValueError:
+            raise LaunchError(f"hvdp run: -np {ns.num_proc!r} is not a number; give the process count, "
+                              f"e.g. -np 2.") from None
     ssh_port: Optional[int] = None
+    if ns.ssh_port is not None:
+        if not ns.ssh_port.isdigit() or not 1 <= int(ns.ssh_port) <= 65535:
+            raise LaunchError(f"hvdp run: --ssh-port {ns.ssh_port!r} is not a port number (1-65535); "
+                              f"e.g. --ssh-port 2222.")
+        ssh_port = int(ns.ssh_port)
     nics: List[str] = []
-    controller: Optional[str] = None
-    dry_run = False
-    passthrough: List[str] = []
-    profile = timeline = None
+    for raw in ns.nics:
+        for nic in raw.split(","):
+            if not _NIC.match(nic.strip()):
+                raise LaunchError(f"hvdp run: --network-interface {raw!r}: {nic.strip()!r} is not a network "
+                                  f"interface name; e.g. --network-interface eth0 (ip -br link lists them).")
+            if nic.strip() not in nics:
+                nics.append(nic.strip())
+    if len(set(ns.controllers)) > 1:
+        raise LaunchError("hvdp run: --gloo and --mpi both given; choose one controller.")
+    controller = ns.controllers[0] if ns.controllers else None
+    if ns.output not in OUTPUT_MODES:
+        raise LaunchError(f"hvdp run: --output {ns.output!r}: expected one of {', '.join(OUTPUT_MODES)} "
+                          f"(all: rank 0 as it writes, the others' lines prefixed [N]).")
     stall_timeout = DEFAULT_STALL_TIMEOUT
-    elastic = False
-    min_np: Optional[int] = None
-    max_np: Optional[int] = None
-    discovery_script: Optional[str] = None
+    if ns.stall_timeout is not None:
+        if not ns.stall_timeout.isdigit():
+            raise LaunchError(f"hvdp run: --stall-timeout {ns.stall_timeout!r} is not a whole number of seconds; "
+                              f"e.g. --stall-timeout 120 (0 turns the check off).")
+        stall_timeout = int(ns.stall_timeout)
+    min_np = _count("--min-np", ns.min_np, 1, "a process count; give a whole number of at least 1")
+    max_np = _count("--max-np", ns.max_np, 1, "a process count; give a whole number of at least 1")
     elastic_timeout: Optional[int] = None
-    output = "all"
-    log_dir: Optional[str] = None
-    startup_logs = False
-    i = 0
-    flag = inline = ""
-
-    def take() -> str:
-        """The current flag's value (``--flag=V`` or ``--flag V``), moving past both."""
-        nonlocal i
-        value = inline or _value(argv, i, flag)
-        i += 1 if inline else 2
-        return value
-
-    while i < len(argv):
-        token = argv[i]
-        flag, _, inline = token.partition("=")
-        if token == "--":
-            i += 1
-            break
-        if not token.startswith("-"):
-            break
-        if token in ("-h", "--help"):
-            raise SystemExit(print(USAGE) or 0)
-        if flag in ("-np", "--num-proc", "-n"):
-            raw = take()
-            try:
-                num_proc = int(raw)
-            except ValueError:
-                raise LaunchError(
-                    f"hvdp run: -np {raw!r} is not a number; give the process count, e.g. -np 2.") from None
-        elif flag == "--framework":
-            framework = take()
-        elif flag in ("-H", "--hosts"):
-            hosts = take()
-        elif flag in ("--hostfile", "-hostfile"):
-            hostfile = take()
-        elif flag in ("-p", "--ssh-port"):
-            raw = take()
-            if not raw.isdigit() or not 1 <= int(raw) <= 65535:
-                raise LaunchError(f"hvdp run: {flag} {raw!r} is not a port number (1-65535); "
-                                  f"e.g. --ssh-port 2222.")
-            ssh_port = int(raw)
-        elif flag in ("-i", "--ssh-identity-file"):
-            identity = take()
-        elif flag in ("--network-interface", "--network-interfaces"):
-            raw = take()
-            for nic in raw.split(","):
-                if not _NIC.match(nic.strip()):
-                    raise LaunchError(f"hvdp run: {flag} {raw!r}: {nic.strip()!r} is not a network interface "
-                                      f"name; e.g. --network-interface eth0 (ip -br link lists them).")
-                if nic.strip() not in nics:
-                    nics.append(nic.strip())
-        elif token in ("--gloo", "--mpi"):
-            if controller and controller != token[2:]:
-                raise LaunchError("hvdp run: --gloo and --mpi both given; choose one controller.")
-            controller = token[2:]
-            i += 1
-        elif token == "--dry-run":
-            dry_run = True
-            i += 1
-        elif flag == "--profile":
-            profile = take()
-        elif flag == "--output":
-            output = take()
-            if output not in OUTPUT_MODES:
-                raise LaunchError(f"hvdp run: --output {output!r}: expected one of {', '.join(OUTPUT_MODES)} "
-                                  f"(all: rank 0 as it writes, the others' lines prefixed [N]).")
-        elif flag == "--log-dir":
-            log_dir = take()
-        elif token == "--startup-logs":
-            startup_logs = True
-            i += 1
-        elif flag == "--timeline":
-            timeline = take()
-        elif flag == "--stall-timeout":
-            raw = take()
-            if not raw.isdigit():
-                raise LaunchError(f"hvdp run: --stall-timeout {raw!r} is not a whole number of seconds; "
-                                  f"e.g. --stall-timeout 120 (0 turns the check off).")
-            stall_timeout = int(raw)
-        elif token == "--elastic":
-            elastic = True
-            i += 1
-        elif flag in ("--min-np", "--min-num-proc", "--max-np", "--max-num-proc"):
-            raw = take()
-            if not raw.isdigit() or int(raw) < 1:
-                raise LaunchError(f"hvdp run: {flag} {raw!r} is not a process count; give a whole number "
-                                  f"of at least 1, e.g. {flag} 2.")
-            if flag.startswith("--min"):
-                min_np = int(raw)
-            else:
-                max_np = int(raw)
-        elif flag == "--host-discovery-script":
-            discovery_script = take()
-        elif flag == "--elastic-timeout":
-            raw = take()
-            if not raw.isdigit() or int(raw) < 1:
-                raise LaunchError(f"hvdp run: --elastic-timeout {raw!r} is not a whole number of seconds "
-                                  f"(at least 1); e.g. --elastic-timeout {DEFAULT_ELASTIC_TIMEOUT}.")
-            elastic_timeout = int(raw)
-        else:
-            table = horovodrun_arity() if arity is None else arity
-            if flag not in table:
-                raise LaunchError(f"hvdp run: unknown option {flag!r}: not an hvdp run option nor a "
-                                  f"horovodrun option. See hvdp run --help and horovodrun --help.")
-            count = 0 if inline else table[flag]
-            passthrough += argv[i:i + 1 + count]
-            i += 1 + count
-    command = argv[i:]
+    if ns.elastic_timeout is not None:
+        if not ns.elastic_timeout.isdigit() or int(ns.elastic_timeout) < 1:
+            raise LaunchError(f"hvdp run: --elastic-timeout {ns.elastic_timeout!r} is not a whole number of "
+                              f"seconds (at least 1); e.g. --elastic-timeout {DEFAULT_ELASTIC_TIMEOUT}.")
+        elastic_timeout = int(ns.elastic_timeout)
     if num_proc is not None and num_proc < 1:
         raise LaunchError(f"hvdp run: -np {num_proc} must be at least 1.")
     if not command:
         raise LaunchError("hvdp run: no command given; e.g. hvdp run -np 2 examples/train_digits.py.")
-    if framework is not None:
+    if ns.framework is not None:
         try:
-            _framework.check_name(framework, "hvdp run --framework")
+            _framework.check_name(ns.framework, "hvdp run --framework")
         except FrameworkError as exc:
             raise LaunchError(str(exc)) from None
-    if hosts and hostfile:
+    if ns.hosts and ns.hostfile:
         raise LaunchError("hvdp run: give -H/--hosts or --hostfile, not both.")
-    if hosts:
-        parse_hosts(hosts)
-    if elastic_timeout is not None and not elastic:
+    if ns.hosts:
+        parse_hosts(ns.hosts)
+    if elastic_timeout is not None and not ns.elastic:
         raise LaunchError("hvdp run: --elastic-timeout only applies to elastic jobs; add --elastic "
                           "(hvdp run --elastic --host-discovery-script FILE ...).")
-    if elastic or min_np is not None or max_np is not None or discovery_script is not None:
-        min_np, max_np = check_elastic_args(elastic, num_proc, min_np, max_np, discovery_script,
-                                            controller, hosts or hostfile)
-    return RunArgs(num_proc=num_proc, command=command, framework=framework,
-                   controller=controller or "gloo", hosts=hosts, hostfile=hostfile,
-                   ssh_port=ssh_port, ssh_identity_file=identity, network_interfaces=nics,
-                   dry_run=dry_run, passthrough=passthrough, profile=profile, timeline=timeline,
-                   stall_timeout=stall_timeout, elastic=elastic, min_np=min_np, max_np=max_np,
-                   discovery_script=discovery_script, output=output, log_dir=log_dir,
-                   startup_logs=startup_logs,
-                   elastic_timeout=(elastic_timeout or DEFAULT_ELASTIC_TIMEOUT) if elastic else None)
+    if ns.elastic or min_np is not None or max_np is not None or ns.discovery_script is not None:
+        min_np, max_np = check_elastic_args(ns.elastic, num_proc, min_np, max_np, ns.discovery_script,
+                                            controller, ns.hosts or ns.hostfile)
+    return RunArgs(num_proc=num_proc, command=command, framework=ns.framework,
+                   controller=controller or "gloo", hosts=ns.hosts, hostfile=ns.hostfile,
+                   ssh_port=ssh_port, ssh_identity_file=ns.ssh_identity_file, network_interfaces=nics,
+                   dry_run=ns.dry_run, passthrough=passthrough, profile=ns.profile, timeline=ns.timeline,
+                   stall_timeout=stall_timeout, elastic=ns.elastic, min_np=min_np, max_np=max_np,
+                   discovery_script=ns.discovery_script, output=ns.output, log_dir=ns.log_dir,
+                   startup_logs=ns.startup_logs,
+                   elastic_timeout=(elastic_timeout or DEFAULT_ELASTIC_TIMEOUT) if ns.elastic else None)
 
 
 def check_elastic_args(elastic: bool, num_proc: Optional[int], min_np: Optional[int], max_np: Optional[int],
