@@ -73,13 +73,13 @@ from hvdp.horovod_build.steps import (
 from hvdp.horovod_build.toolchain import APT_FIX, check_toolchain, compiler, first_line, mpi_version
 
 __all__ = [
-    "APT_FIX", "BUILD_RECORD", "BUILD_REQUIREMENTS", "GPU_PATCHES", "HOROVOD_VERSION", "KERAS3_PATCHES",
-    "PATCHES", "PATCH_LEVEL", "SDIST_NAME", "SDIST_SHA256", "BuildError", "BuildOptions", "Patch", "Progress",
+    "APT_FIX", "BUILD_RECORD", "BUILD_REQUIREMENTS", "GPU_PATCHES", "HOROVOD_VERSION", "KERAS3_PATCHES", "PATCHES",
+    "PATCH_LEVEL", "SDIST_NAME", "SDIST_SHA256", "BuildError", "BuildOptions", "Patch", "Progress",
     "assemble_cuda_home", "build", "build_environment", "build_inputs", "cache_dir", "cache_key",
-    "check_toolchain", "compiler", "dist_version", "fetch_sdist", "find_cuda_home", "find_nccl_home",
-    "framework_cuda_problems", "framework_versions", "gpu_environment", "install_wheel", "installed_record",
-    "mpi_version", "nccl_environment", "patch_source", "patches_digest", "pip_cuda_home", "pip_cuda_roots",
-    "toolkit_environment", "wheel_command",
+    "check_cache_writable", "check_toolchain", "compiler", "dist_version", "fetch_sdist", "find_cuda_home",
+    "find_nccl_home", "framework_cuda_problems", "framework_versions", "gpu_environment", "install_wheel",
+    "installed_record", "mpi_version", "nccl_environment", "patch_source", "patches_digest", "pip_cuda_home",
+    "pip_cuda_roots", "toolkit_environment", "wheel_command",
 ]
 
 
@@ -123,6 +123,18 @@ def chosen_frameworks(options: BuildOptions) -> Dict[str, str]:
     return {name: installed[name] for name in wanted}
 
 
+def check_cache_writable() -> None:
+    """BuildError naming the folder when the cache (:func:`cache_dir`) cannot be created or written."""
+    root = cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BuildError(f"The build cache {root} cannot be created ({exc.strerror}). "
+                         f"Set HVDP_CACHE_DIR to a writable folder.") from exc
+    if not os.access(root, os.W_OK):
+        raise BuildError(f"The build cache {root} is not writable. Set HVDP_CACHE_DIR to a writable folder.")
+
+
 def build(options: BuildOptions, progress: Progress = print) -> Path:
     """Build (or reuse from cache) and install Horovod; return the wheel's path.
 
@@ -130,6 +142,7 @@ def build(options: BuildOptions, progress: Progress = print) -> Path:
         >>> build(BuildOptions(frameworks=["torch"]))  # doctest: +SKIP
     """
     frameworks = chosen_frameworks(options)
+    check_cache_writable()
     inputs = build_inputs(options, frameworks)
     key = cache_key(inputs)
     slot = cache_dir() / "wheels" / key

@@ -60,6 +60,17 @@ def test_bad_options_are_one_line_and_exit_2(argv, message):
     assert proc.stderr.strip().splitlines()[-1].startswith(("hvdp: error:", "hvdp build: error:"))
 
 
+def test_an_unwritable_build_cache_is_named_before_anything_runs(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {**os.environ, "HVDP_CACHE_DIR": str(blocker / "cache")}
+    proc = subprocess.run([*HVDP, "build"], capture_output=True, text=True, check=False, cwd=REPO, env=env,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.strip() == (f"hvdp: error: The build cache {blocker / 'cache'} cannot be created (Not a "
+                                   "directory). Set HVDP_CACHE_DIR to a writable folder.")
+
+
 def test_build_options_from_the_command_line():
     args = argparse.ArgumentParser()
     build_command.add_arguments(args)
