@@ -45,7 +45,8 @@ from hvdp.launch.watch import JobWatcher, TagJoiner
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: The start of horovodrun's or mpirun's own account of a failed rank (its exit code, its own traceback).
 FAILURE_REPORT = re.compile(r"Process \d+ exit with status code|Terminating remaining workers|"
-                            r"Traceback \(most recent call last\)|-{20,}$|Primary job|mpirun (?:noticed|detected)")
+                            r"Traceback \(most recent call last\)|-{20,}$|Primary job|mpirun (?:noticed|detected)|"
+                            r"\[\d+(?:,\d+)?\]<stderr>:(?:Killed|Terminated)$")
 #: Seconds to wait, after the job ended, for the last output of its ranks.
 DRAIN_S = 5.0
 

@@ -79,7 +79,9 @@ class JobWatcher:
             (f.time, f.rank, f.describe(), f) for f in self.records if not f.consequence]
         for when, rank, code in self.exits:
             if code != 0 and code not in _STOPPED and rank not in recorded:
-                events.append((when, rank, describe_exit(code), None))
+                # No record (a script without hvdp.init()): the exception its traceback named, if any.
+                why = f"raised {self.raised[rank]}" if rank in self.raised else describe_exit(code)
+                events.append((when, rank, why, None))
         if not events:
             return None
         _, rank, why, failure = min(events, key=lambda event: event[0])

@@ -7,6 +7,8 @@ import time
 import pytest
 from harness import WORKERS, run_job
 
+from hvdp.launch.watch import JobWatcher
+
 
 def run_fault(mode, controller, tmp_path, *extra):
     job = run_job([f"--{controller}", "--framework", "torch", *extra, str(WORKERS / "faults.py"), mode], tmp_path,
@@ -38,3 +40,27 @@ def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_ten
     assert job.returncode != 0
     assert 10 <= detection < 10 + 20, detection  # Horovod checks every timeout/5 s, then the launcher stops
     assert "hvdp: the job was ended: rank 1 never submitted allreduce." in job.output, job.output[-3000:]
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_horovods_own_text_names_a_killed_rank_where_no_record_exists(controller, tmp_path):
+    """What horovodrun and mpirun print when a rank dies of a signal (kept in --log-dir's launcher.log)
+    is all the watcher needs when no record comes: each pattern against the text Horovod really prints."""
+    job, _ = run_fault("kill9", controller, tmp_path, "--log-dir", str(tmp_path / "logs"))
+    assert job.returncode != 0
+    assert "Killed" not in job.output, job.output[-3000:]  # horovodrun's account: the record says it
+    watcher = JobWatcher()
+    for line in (tmp_path / "logs" / "launcher.log").read_text().splitlines(keepends=True):
+        watcher.feed(line)
+    assert watcher.records == [] and "rank 1 was killed by SIGKILL" in watcher.summary(1), watcher.failed
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_script_without_hvdp_init_is_named_from_its_traceback(controller, tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import os\nif os.environ.get('HOROVOD_RANK', os.environ.get('OMPI_COMM_WORLD_RANK')) == '1':\n"
+                      "    raise RuntimeError('plain failure')\n")
+    job = run_job([f"--{controller}", str(script)], tmp_path, timeout=120)
+    assert job.returncode != 0
+    assert "hvdp: the job failed: rank 1 raised RuntimeError: plain failure" in job.output, job.output[-3000:]
+    assert "[1] RuntimeError: plain failure" in job.output.splitlines()  # printed by the rank, prefixed
