@@ -14,6 +14,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 from hvdp import _framework, tuning
 from hvdp.errors import LaunchError
+from hvdp.launch import worker
 from hvdp.launch.args import DEFAULT_ELASTIC_TIMEOUT, RunArgs
 from hvdp.launch.hosts import Hosts, discovery_script_path, find_hosts, host_sources
 
@@ -136,3 +137,17 @@ def _elastic_flags(args: RunArgs) -> List[str]:
 def _hosts_arg(hosts: List[Tuple[str, int]]) -> str:
     return ",".join(f"{name}:{count}" for name, count in hosts)
 
+
+
+def with_bootstrap(argv: List[str], args: RunArgs, python: str = sys.executable) -> List[str]:
+    """``argv`` (from :func:`build_command`) with the user's command started through the rank bootstrap
+    (:mod:`hvdp.launch.worker`), which sends each rank's output and failure record to ``hvdp run``.
+
+    Example:
+        >>> args = RunArgs(num_proc=2, command=["t.py", "--lr", "1"])
+        >>> argv = with_bootstrap(["horovodrun", "-np", "2", "--gloo", "python", "t.py", "--lr", "1"], args, "python")
+        >>> argv[4:6], argv[6:]
+        (['python', '.../hvdp/launch/worker.py'], ['python', 't.py', '--lr', '1'])
+    """
+    tail = len(args.command) + (1 if args.command[0].endswith(".py") else 0)  # the Python build_command added
+    return argv[:-tail] + worker.wrap(argv[-tail:], python)

@@ -24,7 +24,6 @@ import re
 import secrets
 import socket
 import struct
-import sys
 import threading
 import time
 from pathlib import Path
@@ -286,16 +285,6 @@ def reachable_address(hosts: Sequence[str]) -> Tuple[str, str]:
         return "0.0.0.0", socket.gethostname()
     finally:
         probe.close()
-
-
-def worker_command(command: Sequence[str], python: str = sys.executable) -> List[str]:
-    """``command`` started through the rank bootstrap (:mod:`hvdp.launch.worker`, run by its path).
-
-    Example:
-        >>> worker_command(["python", "train.py"], python="python")[1].endswith("worker.py")
-        True
-    """
-    return [python, str(Path(__file__).with_name("worker.py")), *command]
 
 
 def stream_env(out: IO[str], err: IO[str], mode: str) -> Dict[str, str]:

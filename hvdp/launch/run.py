@@ -10,10 +10,9 @@ from typing import List
 
 from hvdp.launch import supervise
 from hvdp.launch.args import parse_run_args
-from hvdp.launch.command import build_command, horovodrun_path, resolve_hosts
+from hvdp.launch.command import build_command, horovodrun_path, resolve_hosts, with_bootstrap
 from hvdp.launch.elastic import ElasticReporter
 from hvdp.launch.hosts import check_discovery_script, hosts_line, local_addresses
-from hvdp.launch.relay import worker_command
 from hvdp.launch.stop import RemoteStop
 from hvdp.launch.watch import JobWatcher
 
@@ -47,8 +46,7 @@ def run(argv: List[str]) -> int:
         return 0
     job_id = uuid.uuid4().hex
     # The ranks start through the bootstrap that sends their output and failures to hvdp run.
-    tail = len(args.command) + (1 if args.command[0].endswith(".py") else 0)  # build_command added the Python
-    command = command[:-tail] + worker_command(command[-tail:])
+    command = with_bootstrap(command, args)
     job = supervise.Job(command=command, env=supervise.job_env(env, job_id), mpi=args.controller == "mpi")
     hosts, _ = (None, "") if args.elastic else resolve_hosts(args, os.environ)
     listed = [name for name, _ in (found if args.elastic else hosts or [])]

@@ -44,6 +44,16 @@ _HEADER = struct.Struct("!cI")
 _PR_SET_PDEATHSIG = 1
 
 
+def wrap(command: List[str], python: str = sys.executable) -> List[str]:
+    """``command`` started through this bootstrap (run by its path).
+
+    Example:
+        >>> wrap(["python", "train.py"], python="python")[1].endswith("worker.py")
+        True
+    """
+    return [python, os.path.abspath(__file__), *command]
+
+
 def _rank() -> int:
     for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         value = os.environ.get(var, "")

@@ -18,7 +18,7 @@ from hvdp import failures
 from hvdp.failures import Failure
 from hvdp.launch import worker
 from hvdp.launch.args import run_parser, split_args
-from hvdp.launch.relay import Display, Relay, Terminal, is_noise, worker_command
+from hvdp.launch.relay import Display, Relay, Terminal, is_noise
 from hvdp.launch.watch import JobWatcher
 
 #: As TensorFlow 2.21 printed them at import, on this machine (tmux capture of hvdp run before the relay).
@@ -134,7 +134,7 @@ def test_the_rank_bootstrap_sends_output_record_and_exit_and_ends_as_its_command
     script = ("import sys; from hvdp import failures; failures.install(); print('to stdout', flush=True); "
               "sys.stderr.write('partial'); raise KeyError('k')")
     env = {**os.environ, worker.ADDRESS_VAR: relay.address("127.0.0.1"), "HOROVOD_RANK": "1"}
-    proc = subprocess.run(worker_command([sys.executable, "-c", script]), env=env, capture_output=True,
+    proc = subprocess.run(worker.wrap([sys.executable, "-c", script]), env=env, capture_output=True,
                           timeout=60, check=False)
     relay.wait(10)
     relay.close()
@@ -150,7 +150,7 @@ def test_the_rank_bootstrap_sends_output_record_and_exit_and_ends_as_its_command
 
 def test_without_a_listener_the_command_runs_in_the_bootstraps_place():
     env = {**os.environ, worker.ADDRESS_VAR: "127.0.0.1:9:nobody"}
-    proc = subprocess.run(worker_command([sys.executable, "-c", "print('plain')"]), env=env, capture_output=True,
+    proc = subprocess.run(worker.wrap([sys.executable, "-c", "print('plain')"]), env=env, capture_output=True,
                           text=True, timeout=60, check=False)
     assert proc.returncode == 0 and proc.stdout == "plain\n"
 
