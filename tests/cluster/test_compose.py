@@ -96,11 +96,11 @@ def test_a_change_to_hvdp_rebuilds_without_compiling_horovod(image, tmp_path):
         print(f"\n[image] rebuilt after a change to hvdp/ in {seconds:.0f} s (cold: {image.seconds:.0f} s)")
         frameworks = text[text.index("pip install \"torch=="):text.index("AS build-source")]
         assert "--> Using cache" in frameworks, frameworks  # apt and the frameworks: cached layers
-        # Horovod: podman 4.3 (buildah 1.28) never reuses a COPY --from layer, so the Horovod step
-        # runs again, and installs the wheel of the same cache key that the host's cache holds;
-        # Docker's BuildKit reuses the layer itself (the copied files are the same, times included).
+        # Horovod: the layer is reused, or (podman 4.3 does not always reuse a COPY --from layer)
+        # the step runs again and installs the wheel of the same cache key from the host's cache.
         build_step = text[text.index("from hvdp.build import"):text.index("COPY setup.py")]
-        assert "Cache hit:" in build_step and "Compiling" not in text, build_step
+        assert "--> Using cache" in build_step or "Cache hit:" in build_step, build_step
+        assert "Compiling" not in text
         assert "Processing /opt/hvdp" in text or "Successfully installed hvdp" in text
         assert seconds < 300
     finally:
