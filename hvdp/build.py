@@ -243,6 +243,22 @@ KERAS3_PATCHES = (
 )
 
 
+#: Horovod's torch layers on the CPU.
+TORCH_PATCHES = (
+    Patch("horovod/torch/sync_batch_norm.py",
+          "        # currently only GPU input is supported by underlying kernel from PyTorch\n"
+          "        if not input.is_cuda:\n"
+          "            raise ValueError('SyncBatchNorm expected input tensor to be on GPU')\n",
+          "        # the sync below runs CUDA kernels; CPU tensors sum their statistics with an allreduce\n"
+          "        if not input.is_cuda:\n"
+          "            return cpu_sync_batch_norm(self, input)\n",
+          "SyncBatchNorm refused CPU tensors, even in eval mode or on one process (Horovod's own synthetic "
+          "benchmark failed with --no-cuda)"),
+    Patch("horovod/torch/sync_batch_norm.py", "class _SyncBatchNorm(Function):\n",
+          _insertion("torch_sync_batch_norm").lstrip("\n") + "\n\nclass _SyncBatchNorm(Function):\n",
+          "the CPU forward of SyncBatchNorm (hvdp/horovod_patches/torch_sync_batch_norm.py)"),
+)
+
 PATCHES = (
     Patch("CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)",
           "current torch and TensorFlow headers need C++17"),
@@ -267,6 +283,7 @@ PATCHES = (
           "the Gloo controller's rank list stayed empty, so its stall inspector checked no rank "
           "and a stalled Gloo job hung forever"),
     *KERAS3_PATCHES,
+    *TORCH_PATCHES,
 )
 
 

@@ -22,6 +22,11 @@ def tf_job(request, tmp_path_factory):
     return run_worker("dropin_tf.py", request.param, "tensorflow", tmp_path_factory.mktemp("tf"))
 
 
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def torch_job(request, tmp_path_factory):
+    return run_worker("dropin_torch.py", request.param, "torch", tmp_path_factory.mktemp("torch"))
+
+
 def _same_and_equal_to_one_process(ranks: list, key: str) -> None:
     r0, r1 = (r[key] for r in ranks)
     assert max_abs_diff(r0["after"], r1["after"]) <= 1e-6, key
@@ -109,6 +114,15 @@ def test_tf_sync_batch_normalization_equals_batch_norm_on_the_union(tf_job):
     for rank in tf_job.ranks:
         assert rank["sync_bn"]["outputs_vs_union"]["close"], rank["sync_bn"]
         assert rank["sync_bn"]["moving_vs_union"]["close"], rank["sync_bn"]
+
+
+def test_torch_sync_batch_norm_on_cpu_equals_batch_norm_on_the_union(torch_job):
+    r0, r1 = torch_job.ranks
+    assert r0["before"] != r1["before"]  # different initial weights until hvd.broadcast_parameters
+    assert max_abs_diff(r0["after"], r1["after"]) <= 1e-6
+    for rank in torch_job.ranks:  # weights and running statistics, then the outputs in eval mode
+        assert rank["vs_union"]["close"], rank["vs_union"]
+        assert rank["eval_outputs_vs_union"]["close"], rank["eval_outputs_vs_union"]
 
 
 def test_elastic_keras_state_two_workers_to_one_and_back_with_a_new_unbuilt_optimizer(tmp_path):
