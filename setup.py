@@ -16,7 +16,7 @@ setup(
     python_requires=">=3.9",
     # Horovod itself is built by `hvdp build` (its last release needs patches for
     # current frameworks); these are its runtime requirements and hvdp's own.
-    install_requires=["numpy", "tqdm", "cloudpickle", "psutil", "pyyaml", "packaging"],
+    install_requires=["numpy", "tqdm", "cloudpickle", "psutil", "pyyaml", "packaging", "cffi>=1.4.0"],
     extras_require={
         "torch": ["torch==2.13.0"],
         "tensorflow": ["tensorflow-cpu==2.21.0"],

@@ -13,16 +13,17 @@ Example:
 
 from __future__ import annotations
 
-import numbers
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
 
 from hvdp import _framework, elastic, profiler
+from hvdp import arguments as _args
 from hvdp import checkpoint as _checkpoint
+from hvdp import collectives as _collectives
 from hvdp import consistency as _consistency
 from hvdp import process_sets as _process_sets
-from hvdp.backends.base import COMPRESSIONS, REDUCE_OPS
+from hvdp.backends.base import COMPRESSIONS
 from hvdp.data import shard_indices
 from hvdp.errors import (
     BuildError,
@@ -40,45 +41,12 @@ from hvdp.process_sets import ProcessSet
 __version__ = "0.1.0"
 
 __all__ = [
-    "BuildError",
-    "CheckpointError",
-    "DistributedOptimizer",
-    "FrameworkError",
-    "HvdpError",
-    "LaunchError",
-    "NotInitializedError",
-    "DistributedGradientTape",
-    "ProcessSet",
-    "ProcessSetError",
-    "ReplicaMismatchError",
-    "SyncBatchNorm",
-    "TensorMismatchError",
-    "__version__",
-    "add_process_set",
-    "allgather",
-    "allgather_object",
-    "allreduce",
-    "barrier",
-    "broadcast",
-    "broadcast_object",
-    "broadcast_state",
-    "check_consistency",
-    "load_checkpoint",
-    "save_checkpoint",
-    "cross_rank",
-    "cross_size",
-    "elastic",
-    "framework",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "my_process_set",
-    "rank",
-    "profiler",
-    "shard",
-    "shutdown",
-    "size",
+    "BuildError", "CheckpointError", "DistributedOptimizer", "FrameworkError", "HvdpError", "LaunchError",
+    "NotInitializedError", "DistributedGradientTape", "ProcessSet", "ProcessSetError", "ReplicaMismatchError",
+    "SyncBatchNorm", "TensorMismatchError", "__version__", "add_process_set", "allgather", "allgather_object",
+    "allreduce", "barrier", "broadcast", "broadcast_object", "broadcast_state", "check_consistency",
+    "load_checkpoint", "save_checkpoint", "cross_rank", "cross_size", "elastic", "framework", "init",
+    "is_initialized", "local_rank", "local_size", "my_process_set", "rank", "profiler", "shard", "shutdown", "size",
 ]
 
 
@@ -201,40 +169,6 @@ def cross_size() -> int:
     return _framework.current("cross_size").cross_size()
 
 
-def _check_choice(what: str, value: object, choices: tuple) -> str:
-    if value not in choices:
-        raise ValueError(f"Unknown {what} {value!r}. Expected one of: {', '.join(choices)}.")
-    return str(value)
-
-
-def _check_op(op: object, backend: Any, process_set: Optional[ProcessSet] = None) -> str:
-    _check_choice("op", op, REDUCE_OPS)
-    if op == "adasum" and backend.controller() != "mpi":
-        raise ValueError(
-            "op='adasum' needs Horovod's MPI controller (Horovod runs Adasum on CPUs over MPI), but this "
-            f"job runs on {backend.controller()}. Launch with hvdp run --mpi, or use op='average'."
-        )
-    if op == "adasum" and process_set is not None:
-        raise ValueError(
-            f"op='adasum' runs on the whole job only (Horovod 0.28.1 has no Adasum on process sets), "
-            f"got process_set={process_set!r}. Use op='average' or 'sum' within a process set."
-        )
-    return str(op)
-
-
-def _check_root(root_rank: object, caller: str, process_set: Optional[ProcessSet] = None) -> int:
-    """``root_rank`` as a rank of the whole job (inside a process set, it counts in the set)."""
-    ranks = _process_sets.members(process_set, caller)
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < len(ranks):
-        if process_set is None:
-            raise ValueError(f"root_rank={root_rank!r} is not a rank of this job; expected 0..{len(ranks) - 1}.")
-        raise ValueError(
-            f"root_rank={root_rank!r} is not a rank of {process_set!r}: inside a process set, root_rank counts "
-            f"in the set, 0..{len(ranks) - 1} (root_rank=0 is its first member, rank {ranks[0]})."
-        )
-    return ranks[root_rank]
-
-
 def DistributedOptimizer(
     optimizer: Any,
     model: Any = None,
@@ -266,22 +200,9 @@ def DistributedOptimizer(
     """
     backend = _framework.current("DistributedOptimizer")
     handle = _process_sets.handle(process_set, "DistributedOptimizer")
-    _check_op(op, backend, process_set)
-    _check_choice("compression", compression, COMPRESSIONS)
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step < 1:
-        raise ValueError(
-            f"backward_passes_per_step={backward_passes_per_step!r}; expected an integer >= 1."
-        )
-    if not isinstance(gradient_predivide_factor, numbers.Real) or gradient_predivide_factor <= 0:
-        raise ValueError(
-            f"gradient_predivide_factor={gradient_predivide_factor!r}; expected a number > 0."
-        )
-    if gradient_predivide_factor != 1.0 and op != "average":
-        raise ValueError(
-            f"gradient_predivide_factor={gradient_predivide_factor} only applies to "
-            f"op='average' (got op={op!r}); leave it at 1.0."
-        )
+    _args.check_op(op, backend, process_set)
+    _args.check_choice("compression", compression, COMPRESSIONS)
+    _args.check_optimizer_options(op, backward_passes_per_step, gradient_predivide_factor)
     return backend.distributed_optimizer(
         optimizer,
         model,
@@ -315,44 +236,7 @@ def broadcast_state(
     """
     backend = _framework.current("broadcast_state")
     handle = _process_sets.handle(process_set, "broadcast_state")
-    backend.broadcast_state(model, optimizer, _check_root(root_rank, "broadcast_state", process_set), handle)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, numbers.Number):
-        return type(value).__name__
-    dtype = getattr(value, "dtype", None)
-    dtype_name = str(getattr(dtype, "name", None) or dtype).replace("torch.", "")
-    return f"{dtype_name}{list(getattr(value, 'shape', ()))}"
-
-
-def _run_collective(kind: str, value: Any, name: Optional[str], call: Callable[[], Any],
-                    process_set: Optional[ProcessSet] = None) -> Any:
-    """Run ``call``; turn Horovod's shape/dtype mismatch into an error naming every rank's tensor."""
-    try:
-        return call()
-    except Exception as exc:
-        if "Mismatched" not in str(exc):
-            raise
-        backend = _framework.current(kind)
-        described = backend.allgather_object(_describe(value), _process_sets.handle(process_set, kind))
-        ranks = _process_sets.members(process_set, kind)
-        per_rank = ", ".join(f"rank {r}: {d}" for r, d in zip(ranks, described))
-        raise TensorMismatchError(
-            f"hvdp.{kind} of tensor {name or '(unnamed)'}: ranks passed different shapes or dtypes "
-            f"({per_rank}). Every rank must pass the same dtype and shape"
-            f"{' (except the first dimension)' if kind == 'allgather' else ''} to the same collective."
-        ) from exc
-
-
-def _number_as_array(value: Any, as_float: bool) -> Any:
-    if isinstance(value, complex):
-        raise TypeError(f"hvdp collectives do not support complex numbers, got {value!r}.")
-    return np.asarray([value], dtype=np.float64 if as_float or isinstance(value, float) else np.int64)
-
-
-def _is_python_number(value: Any) -> bool:
-    return isinstance(value, numbers.Number) and not isinstance(value, np.generic)
+    backend.broadcast_state(model, optimizer, _args.check_root(root_rank, "broadcast_state", process_set), handle)
 
 
 def allreduce(value: Any, op: str = "average", name: Optional[str] = None, *,
@@ -376,17 +260,9 @@ def allreduce(value: Any, op: str = "average", name: Optional[str] = None, *,
     """
     backend = _framework.current("allreduce")
     handle = _process_sets.handle(process_set, "allreduce")
-    _check_op(op, backend, process_set)
+    _args.check_op(op, backend, process_set)
     wire = _process_sets.collective_name("allreduce", name, process_set)
-    if _is_python_number(value):
-        as_float = op == "average" or isinstance(value, float)
-        array = _number_as_array(value, as_float)
-        result = _run_collective("allreduce", value, name, lambda: backend.allreduce(array, op, wire, handle),
-                                 process_set)[0]
-        return float(result) if as_float else int(result)
-    if isinstance(value, np.generic):
-        value = np.asarray(value)
-    return _run_collective("allreduce", value, name, lambda: backend.allreduce(value, op, wire, handle), process_set)
+    return _collectives.allreduce(backend, value, op, name, wire, handle, process_set)
 
 
 def allgather(value: Any, name: Optional[str] = None, *, process_set: Optional[ProcessSet] = None) -> Any:
@@ -401,11 +277,7 @@ def allgather(value: Any, name: Optional[str] = None, *, process_set: Optional[P
     backend = _framework.current("allgather")
     handle = _process_sets.handle(process_set, "allgather")
     wire = _process_sets.collective_name("allgather", name, process_set)
-    if _is_python_number(value):
-        array = _number_as_array(value, False)
-        return _run_collective("allgather", value, name, lambda: backend.allgather(array, wire, handle),
-                               process_set).tolist()
-    return _run_collective("allgather", value, name, lambda: backend.allgather(value, wire, handle), process_set)
+    return _collectives.allgather(backend, value, name, wire, handle, process_set)
 
 
 def broadcast(value: Any, root_rank: int = 0, name: Optional[str] = None, *,
@@ -419,15 +291,9 @@ def broadcast(value: Any, root_rank: int = 0, name: Optional[str] = None, *,
     """
     backend = _framework.current("broadcast")
     handle = _process_sets.handle(process_set, "broadcast")
-    root = _check_root(root_rank, "broadcast", process_set)
+    root = _args.check_root(root_rank, "broadcast", process_set)
     wire = _process_sets.collective_name("broadcast", name, process_set)
-    if _is_python_number(value):
-        array = _number_as_array(value, False)
-        result = _run_collective("broadcast", value, name, lambda: backend.broadcast(array, root, wire, handle),
-                                 process_set)[0]
-        return type(value)(result)
-    return _run_collective("broadcast", value, name, lambda: backend.broadcast(value, root, wire, handle),
-                           process_set)
+    return _collectives.broadcast(backend, value, root, name, wire, handle, process_set)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, *, process_set: Optional[ProcessSet] = None) -> Any:
@@ -438,7 +304,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, process_set: Optional[Proc
     """
     backend = _framework.current("broadcast_object")
     handle = _process_sets.handle(process_set, "broadcast_object")
-    return backend.broadcast_object(obj, _check_root(root_rank, "broadcast_object", process_set), handle)
+    return backend.broadcast_object(obj, _args.check_root(root_rank, "broadcast_object", process_set), handle)
 
 
 def allgather_object(obj: Any, *, process_set: Optional[ProcessSet] = None) -> List[Any]:
@@ -521,8 +387,8 @@ def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str 
     """
     backend = _framework.current("DistributedGradientTape")
     handle = _process_sets.handle(process_set, "DistributedGradientTape")
-    _check_op(op, backend, process_set)
-    _check_choice("compression", compression, COMPRESSIONS)
+    _args.check_op(op, backend, process_set)
+    _args.check_choice("compression", compression, COMPRESSIONS)
     make = getattr(backend, "distributed_gradient_tape", None)
     if make is None:
         raise FrameworkError(

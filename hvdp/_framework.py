@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
+from hvdp import failures
 from hvdp.errors import FrameworkError, NotInitializedError, ProcessSetError
 
 if TYPE_CHECKING:
@@ -191,6 +192,7 @@ def activate(
     Returns:
         The backend's handle of each process set, or None when hvdp was already running.
     """
+    failures.install()  # under hvdp run, an uncaught exception of this rank becomes a record
     state = _job
     name = resolve(requested)
     if state.backend is not None:

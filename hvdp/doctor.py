@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import shutil
@@ -11,12 +12,14 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from hvdp import __version__
-from hvdp import build as hvdp_build
+from hvdp.backends.registry import SPECS, dist_version, installed_versions
+from hvdp.horovod_build.cache import installed_record
+from hvdp.horovod_build.toolchain import mpi_version
 
 _PROBE = """
 import json, sys
 try:
-    import horovod.{module} as hvd
+    import {module} as hvd
 except Exception as exc:
     print(json.dumps({{"error": f"{{type(exc).__name__}}: {{exc}}"}}))
     sys.exit(0)
@@ -26,10 +29,6 @@ if facts["nccl"] or facts["cuda"]:
     {gpus}
 print(json.dumps(facts))
 """
-_MODULES = {"torch": "torch", "tensorflow": "tensorflow"}
-#: How many GPUs each framework sees (asked only of a Horovod built with NCCL or CUDA).
-_GPUS = {"torch": "import torch; facts['gpus'] = torch.cuda.device_count()",
-         "tensorflow": "import tensorflow as tf; facts['gpus'] = len(tf.config.list_physical_devices('GPU'))"}
 
 
 @dataclass
@@ -48,16 +47,30 @@ class Report:
         return bool(self.usable) and bool(self.controllers)
 
 
-def probe(names: List[str]) -> Dict[str, Dict[str, object]]:
-    """Import ``horovod.<framework>`` for each name in its own process, in parallel."""
+#: How long one framework's probe (importing Horovod's layer and the framework) may take.
+PROBE_SECONDS = 300
+
+
+def probe(names: List[str], timeout: float = PROBE_SECONDS) -> Dict[str, Dict[str, object]]:
+    """Import ``horovod.<framework>`` for each name in its own process, in parallel.
+
+    A probe that fails, prints no facts or runs past ``timeout`` seconds gives ``{"error": ...}``.
+    """
     procs = {
-        name: subprocess.Popen([sys.executable, "-c", _PROBE.format(module=_MODULES[name], gpus=_GPUS[name])],
+        name: subprocess.Popen([sys.executable, "-c", _PROBE.format(module=SPECS[name].horovod_module,
+                                                                     gpus=SPECS[name].gpu_count_probe)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name in names
     }
     results: Dict[str, Dict[str, object]] = {}
     for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            results[name] = {"error": f"importing {SPECS[name].horovod_module} took over {timeout:.0f} s"}
+            continue
         try:
             results[name] = json.loads(out.strip().splitlines()[-1])
         except (IndexError, json.JSONDecodeError):
@@ -101,24 +114,44 @@ def gpu_lines(built: Dict[str, Dict[str, object]]) -> List[str]:
 
 def diagnose() -> Report:
     """Collect versions and build facts and list every problem with its fix."""
-    frameworks = hvdp_build.framework_versions()
+    frameworks = installed_versions()
     versions: Dict[str, Optional[str]] = {
         "python": platform.python_version(),
         "hvdp": __version__,
-        "torch": frameworks.get("torch"),
-        "tensorflow": frameworks.get("tensorflow"),
-        "keras": hvdp_build.dist_version("keras"),
-        "horovod": hvdp_build.dist_version("horovod"),
-        "mpi": hvdp_build.mpi_version(),
+        **{name: frameworks.get(name) for name in SPECS},
+        "keras": dist_version("keras"),
+        "horovod": dist_version("horovod"),
+        "mpi": mpi_version(),
     }
+    built = probe(list(frameworks)) if versions["horovod"] is not None else {}
+    return assess(versions, frameworks, built, installed_record(), shutil.which("mpirun") is not None)
+
+
+def assess(versions: Dict[str, Optional[str]], frameworks: Dict[str, str], built: Dict[str, Dict[str, object]],
+           record: Optional[Dict[str, object]], has_mpirun: bool) -> Report:
+    """The report on what :func:`diagnose` found: every problem with its fix.
+
+    Args:
+        versions: what ``hvdp doctor`` prints as versions (``horovod`` None: not installed).
+        frameworks: the installed frameworks by name, with their versions.
+        built: :func:`probe`'s facts per framework.
+        record: what ``hvdp build`` left beside the installed Horovod (None: not built by it).
+        has_mpirun: whether ``mpirun`` is on ``PATH``.
+
+    Example:
+        >>> facts = {"gloo": True, "mpi": False, "nccl": 0, "cuda": False}
+        >>> record = {"inputs": {"frameworks": {"torch": "2.13.0"}}}
+        >>> assess({"horovod": "0.28.1"}, {"torch": "2.13.0"}, {"torch": facts}, record, True).ok
+        True
+    """
     report = Report(versions=versions)
     if not frameworks:
-        report.problems.append("Neither torch nor tensorflow is installed. Fix: pip install 'hvdp[torch]' "
-                               "or pip install 'hvdp[tensorflow]'.")
-    if versions["horovod"] is None:
+        report.problems.append(f"Neither {' nor '.join(SPECS)} is installed. Fix: "
+                               + " or ".join(f"pip install 'hvdp[{name}]'" for name in SPECS) + ".")
+    if versions.get("horovod") is None:
         report.problems.append("Horovod is not installed. Fix: hvdp build")
         return report
-    report.built = probe(list(frameworks))
+    report.built = built
     for name, facts in report.built.items():
         if "error" in facts:
             report.problems.append(f"Horovod cannot load its {name} support ({facts['error']}). "
@@ -128,28 +161,33 @@ def diagnose() -> Report:
         for controller in ("gloo", "mpi"):
             if facts.get(controller) and controller not in report.controllers:
                 report.controllers.append(controller)
-    if "mpi" in report.controllers and not shutil.which("mpirun"):
+    if "mpi" in report.controllers and not has_mpirun:
         report.controllers.remove("mpi")
         report.problems.append("Horovod was built with MPI but mpirun is not on PATH. "
                                "Fix: apt-get install -y openmpi-bin (or use --gloo).")
     if report.usable and not report.controllers:
         report.problems.append("Horovod has no usable controller (neither Gloo nor MPI). "
                                "Fix: hvdp build")
-    record = hvdp_build.installed_record()
-    if record is None:
-        report.problems.append("This Horovod was not built by hvdp build, so it may lack the fixes for "
-                               "current frameworks. Fix: hvdp build")
-    else:
-        inputs = record.get("inputs", {})
-        built_for = inputs.get("frameworks", {}) if isinstance(inputs, dict) else {}
-        for name, version in frameworks.items():
-            if name in built_for and built_for[name] != version:
-                report.problems.append(f"Horovod was built for {name} {built_for[name]} but {version} is "
-                                       f"installed now. Fix: hvdp build")
-            if name not in built_for:
-                report.problems.append(f"{name} {version} is installed but Horovod was built without it. "
-                                       f"Fix: hvdp build")
+    report.problems += _record_problems(record, frameworks)
     return report
+
+
+def _record_problems(record: Optional[Dict[str, object]], frameworks: Dict[str, str]) -> List[str]:
+    """What the build record says is out of date: built by something else, or for other frameworks."""
+    if record is None:
+        return ["This Horovod was not built by hvdp build, so it may lack the fixes for "
+                "current frameworks. Fix: hvdp build"]
+    problems = []
+    inputs = record.get("inputs", {})
+    built_for = inputs.get("frameworks", {}) if isinstance(inputs, dict) else {}
+    for name, version in frameworks.items():
+        if name in built_for and built_for[name] != version:
+            problems.append(f"Horovod was built for {name} {built_for[name]} but {version} is "
+                            f"installed now. Fix: hvdp build")
+        if name not in built_for:
+            problems.append(f"{name} {version} is installed but Horovod was built without it. "
+                            f"Fix: hvdp build")
+    return problems
 
 
 def render(report: Report) -> str:
@@ -178,6 +216,26 @@ def render(report: Report) -> str:
         lines.append("No problems found.")
     lines.append("OK: Horovod can run a job." if report.ok else "NOT OK: Horovod cannot run a job.")
     return "\n".join(lines)
+
+
+#: What ``hvdp doctor --help`` says above the options.
+DESCRIPTION = """\
+Show the versions of Python, hvdp, the frameworks, Keras, Horovod and MPI, what
+Horovod was built with (controllers, NCCL, CUDA, GPUs seen), and each problem with
+the command that fixes it. Exit status 0 when Horovod can run a job, 1 when not.
+Takes a few seconds (each framework is imported in its own process)."""
+#: What ``hvdp doctor --help`` says below the options.
+EPILOG = """examples:
+  hvdp doctor           the report, for people
+  hvdp doctor --json    the same facts as JSON, for scripts and CI"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``hvdp doctor`` and its help text, on the CLI's subparser."""
+    parser.description = DESCRIPTION
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
 def main(as_json: bool = False) -> int:

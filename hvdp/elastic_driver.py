@@ -11,7 +11,7 @@ always do, they write one JSON record per line to file descriptor N:
 - ``waiting``: the driver waits for slots (how many it needs, has, and for how long);
 - ``resumed`` / ``timeout``: the wait ended.
 
-:class:`hvdp.supervise.ElasticReporter` reads the records and tells the user.
+:class:`hvdp.launch.elastic.ElasticReporter` reads the records and tells the user.
 
 One repair: when a host is blacklisted while the job waits for slots (too few workers)
 and comes back from its cooldown before the wait ends, Horovod 0.28.1 still counts that

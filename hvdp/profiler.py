@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
+from hvdp import _framework
+
 #: ``hvdp run --profile DIR`` sets this for every process.
 ENV_VAR = "HVDP_PROFILE_DIR"
 #: The phases ``hvdp report`` knows; others are recorded and reported as given.
@@ -168,10 +170,12 @@ def _start_step_clock() -> None:
 def _open_rank_file(directory: Path) -> IO[str]:
     import atexit
 
-    import hvdp
-
     directory.mkdir(parents=True, exist_ok=True)
-    rank = hvdp.rank() if hvdp.is_initialized() else int(os.environ.get("HOROVOD_RANK", "0"))
+    backend = _framework.job().backend
+    if backend is not None and backend.is_initialized():
+        rank = backend.rank()
+    else:  # recording from the start of the process, before hvdp.init()
+        rank = int(os.environ.get("HOROVOD_RANK", "0"))
     handle = (directory / f"rank{rank}.jsonl").open("a")
     atexit.register(handle.close)
     return handle

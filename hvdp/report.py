@@ -10,6 +10,7 @@ step is bound by gradient synchronization itself.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -201,6 +202,29 @@ def plot(records: Dict[int, List[dict]], summaries: List[RankSummary], path: Pat
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+#: What ``hvdp report --help`` says above the options.
+DESCRIPTION = """\
+Read the per-rank records hvdp.profiler wrote (hvdp run --profile DIR) and print each
+rank's step time and phases (data, compute, sync), throughput, and why ranks wait:
+a straggler with input or compute skew, or synchronization itself. Takes a second."""
+#: What ``hvdp report --help`` says below the options.
+EPILOG = """examples:
+  hvdp report /tmp/profile                          the table and the diagnosis
+  hvdp report /tmp/profile --skip 5 --plot p.png    leave out 5 warm-up steps, draw the phases
+  hvdp report /tmp/profile --json                   the same figures as JSON"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``hvdp report`` and its help text, on the CLI's subparser."""
+    parser.description = DESCRIPTION
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("directory", help="the DIR given to hvdp run --profile or hvdp.profiler.enable")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw per-rank phase bars and step times")
+    parser.add_argument("--skip", type=int, default=None, help="warm-up steps to leave out (default: 10%%)")
 
 
 def main(directory: str, as_json: bool = False, plot_path: Optional[str] = None, skip: Optional[int] = None) -> int:

@@ -48,17 +48,19 @@ default_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]
 runtime = "runc"
 EOF
 
-# 2. The base image.
+# 2. The base image (its debootstrap root is kept as an image of its own, made once).
 if ! podman image exists "${base}"; then
-  mirror=$(sed -n 's/^URIs: *\(http[^ ]*\/debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
-  mirror=${mirror:-http://deb.debian.org/debian}
-  root=$(mktemp -d)
-  trap 'rm -rf "${root}"' EXIT
-  log "making ${base} with debootstrap from ${mirror}"
   started=$(date +%s)
-  debootstrap --variant=minbase bookworm "${root}" "${mirror}" >"${state}/debootstrap.log" 2>&1 \
-    || { tail -20 "${state}/debootstrap.log" >&2; exit 1; }
-  tar -C "${root}" -c . | podman import - localhost/hvdp-debootstrap:bookworm >/dev/null
+  if ! podman image exists localhost/hvdp-debootstrap:bookworm; then
+    mirror=$(sed -n 's/^URIs: *\(http[^ ]*\/debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+    mirror=${mirror:-http://deb.debian.org/debian}
+    root=$(mktemp -d)
+    trap 'rm -rf "${root}"' EXIT
+    log "making localhost/hvdp-debootstrap:bookworm with debootstrap from ${mirror}"
+    debootstrap --variant=minbase bookworm "${root}" "${mirror}" >"${state}/debootstrap.log" 2>&1 \
+      || { tail -20 "${state}/debootstrap.log" >&2; exit 1; }
+    tar -C "${root}" -c . | podman import - localhost/hvdp-debootstrap:bookworm >/dev/null
+  fi
   podman build --network host -t "${base}" -f - . <<'EOF'
 FROM localhost/hvdp-debootstrap:bookworm
 RUN apt-get update \
@@ -89,6 +91,13 @@ while read -r -a values; do
   done
 done < <(sed -n 's/^[a-z-]* = //p' "${pip_conf}")
 index=$(python3 -m pip config get global.index-url 2>/dev/null || echo https://pypi.org/simple)
+
+# 4. Horovod wheels that `hvdp build` cached on this machine: the image's build reuses one whose
+#    cache key (Horovod, patches, Python, frameworks, MPI, compiler) matches exactly, and a wheel
+#    it compiles lands here for the next build. A build volume, so no wheel enters a layer.
+wheels="${HVDP_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME}/.cache}/hvdp}/wheels"
+mkdir -p "${wheels}"
+volumes+=(--volume "${wheels}:/var/cache/hvdp/wheels")
 
 log "building ${tag} (pip settings: $(grep -c ' = ' "${pip_conf}"), volumes: $((${#volumes[@]} / 2)))"
 started=$(date +%s)

@@ -7,6 +7,8 @@ the facade says clearly when the chosen framework has no such extra.
 The facade in ``hvdp/__init__.py`` validates arguments and dispatches to it; the
 backend is the only place that touches the framework and ``horovod.<framework>``.
 ``tests/unit/test_backends_contract.py`` checks each backend against this Protocol.
+What both backends do alike over Horovod is written once, in :class:`HorovodJob`,
+which each ``Backend`` subclasses.
 
 ``process_set`` arguments are the handles the backend returned from ``init`` or
 ``add_process_set`` (Horovod's process set objects), or None for the whole job;
@@ -15,6 +17,7 @@ backend is the only place that touches the framework and ``horovod.<framework>``
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
@@ -133,3 +136,107 @@ class Backend(Protocol):
         A failed collective reaches Horovod as ``HorovodInternalError`` (state restored,
         Horovod restarted, ``func`` called again); ``state`` is an ``hvdp.elastic.State``.
         """
+
+
+class HorovodJob:
+    """What every backend does the same way on its ``horovod.<framework>`` module, named in ``_hvd``.
+
+    Job calls (init, process sets, rank and size) and the tensor collectives Horovod offers
+    alike on every framework. A backend subclasses it, names its module in ``_hvd``, says
+    how a value becomes a tensor and back (:meth:`_to_tensor`, :meth:`_from_tensor`), and
+    overrides only what its framework does differently.
+    """
+
+    _hvd: Any
+
+    def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
+        handles = [self._hvd.ProcessSet(ranks) for ranks in process_sets]
+        self._hvd.init(comm=comm, process_sets=handles or ("dynamic" if dynamic else None))
+        return handles
+
+    def add_process_set(self, ranks: List[int]) -> Any:
+        try:
+            return self._hvd.add_process_set(ranks)
+        except ValueError as exc:
+            if "duplicate" in str(exc):
+                return None
+            raise
+
+    def shutdown(self, join: bool = True) -> None:
+        # Horovod's shutdown on one rank ends the job's collectives on every rank, so a rank
+        # that finishes first (a process set with less work) would break the others' next
+        # collective. join() waits, taking part in no collective and never tripping the stall
+        # inspector, until every rank has joined. Elastic jobs end through Horovod's driver.
+        if join and self._hvd.is_initialized() and self._hvd.size() > 1 \
+                and os.environ.get("HOROVOD_ELASTIC") != "1":
+            try:
+                self._hvd.join()
+            except Exception:  # the job is ending abnormally (a rank died): shut down regardless
+                pass
+        self._hvd.shutdown()
+
+    def is_initialized(self) -> bool:
+        return bool(self._hvd.is_initialized())
+
+    def rank(self) -> int:
+        return int(self._hvd.rank())
+
+    def size(self) -> int:
+        return int(self._hvd.size())
+
+    def local_rank(self) -> int:
+        return int(self._hvd.local_rank())
+
+    def local_size(self) -> int:
+        return int(self._hvd.local_size())
+
+    def cross_rank(self) -> int:
+        return int(self._hvd.cross_rank())
+
+    def cross_size(self) -> int:
+        return int(self._hvd.cross_size())
+
+    def controller(self) -> str:
+        return "mpi" if self._hvd.mpi_enabled() else "gloo"
+
+    # Shared by the collectives; arguments arrive validated by the facade.
+
+    def _set(self, process_set: Any) -> Any:
+        """Horovod's process set for hvdp's handle (None: the whole job)."""
+        return self._hvd.global_process_set if process_set is None else process_set
+
+    def _op(self, op: str) -> Any:
+        """Horovod's reduction for one of :data:`REDUCE_OPS`."""
+        return {"average": self._hvd.Average, "sum": self._hvd.Sum, "adasum": self._hvd.Adasum}[op]
+
+    def _compression(self, compression: str) -> Any:
+        """Horovod's compressor for one of :data:`COMPRESSIONS`."""
+        return {"none": self._hvd.Compression.none, "fp16": self._hvd.Compression.fp16}[compression]
+
+    def _to_tensor(self, value: Any, caller: str) -> Tuple[Any, bool]:
+        """(framework tensor, came as NumPy) for a tensor or a NumPy array; TypeError naming ``caller``."""
+        raise NotImplementedError
+
+    def _from_tensor(self, result: Any, as_numpy: bool) -> Any:
+        """``result`` as the kind of value the caller passed (a NumPy array when ``as_numpy``)."""
+        raise NotImplementedError
+
+    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
+        tensor, as_numpy = self._to_tensor(value, "allreduce")
+        return self._from_tensor(self._hvd.allreduce(tensor, op=self._op(op), name=name,
+                                                     process_set=self._set(process_set)), as_numpy)
+
+    def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
+        tensor, as_numpy = self._to_tensor(value, "allgather")
+        return self._from_tensor(self._hvd.allgather(tensor, name=name, process_set=self._set(process_set)),
+                                 as_numpy)
+
+    def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
+        tensor, as_numpy = self._to_tensor(value, "broadcast")
+        return self._from_tensor(self._hvd.broadcast(tensor, root_rank, name=name,
+                                                     process_set=self._set(process_set)), as_numpy)
+
+    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, name: Optional[str] = None) -> Any:
+        # Named: Horovod names it after type(obj), which differs between ranks (None off the root) and hangs.
+        return self._hvd.broadcast_object(obj, root_rank=root_rank, name=name or "hvdp.broadcast_object",
+                                          process_set=self._set(process_set))

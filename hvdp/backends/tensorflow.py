@@ -17,16 +17,7 @@ import tensorflow as tf
 
 from hvdp import keras as hvdp_keras
 from hvdp import profiler
-from hvdp.backends._horovod import HorovodJob
-from hvdp.backends.base import reduction_plan
-
-_OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
-_COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
-
-
-def _set(process_set: Any) -> Any:
-    """Horovod's process set for hvdp's handle (None: the whole job)."""
-    return hvd.global_process_set if process_set is None else process_set
+from hvdp.backends.base import HorovodJob, reduction_plan
 
 
 def _refuse_xla() -> None:
@@ -119,7 +110,7 @@ class Backend(HorovodJob):
         """A function reducing a list of gradients across ranks (eagerly or in a tf.function)."""
         size = self.size() if process_set is None else int(process_set.size())
         name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
-        horovod_op, comp, horovod_set = _OPS[name], _COMPRESSIONS[compression], _set(process_set)
+        horovod_op, comp, horovod_set = self._op(name), self._compression(compression), self._set(process_set)
 
         def reduce(tensors: List[Any]) -> List[Any]:
             _refuse_xla()
@@ -134,7 +125,7 @@ class Backend(HorovodJob):
         return _timed_in_graph(reduce)
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
-        horovod_set = _set(process_set)
+        horovod_set = self._set(process_set)
         if hvdp_keras.is_keras_model(model):
             hvdp_keras.broadcast_state(
                 model, optimizer, root_rank,
@@ -152,29 +143,25 @@ class Backend(HorovodJob):
             f"got {type(model).__name__}."
         )
 
-    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
-        tensor, as_numpy = _as_tensor(value, "allreduce")
-        return _same_kind(hvd.allreduce(tensor, op=_OPS[op], name=name, process_set=_set(process_set)), as_numpy)
+    def _to_tensor(self, value: Any, caller: str) -> Tuple[Any, bool]:
+        if isinstance(value, np.ndarray):
+            return tf.constant(value), True
+        if isinstance(value, (tf.Tensor, tf.Variable)):
+            return value, False
+        raise TypeError(
+            f"{caller} on tensorflow takes a tf.Tensor, a NumPy array or a Python number, "
+            f"got {type(value).__name__}."
+        )
 
-    def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
-        tensor, as_numpy = _as_tensor(value, "allgather")
-        return _same_kind(hvd.allgather(tensor, name=name, process_set=_set(process_set)), as_numpy)
-
-    def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
-        tensor, as_numpy = _as_tensor(value, "broadcast")
-        return _same_kind(hvd.broadcast(tensor, root_rank, name=name, process_set=_set(process_set)), as_numpy)
-
-    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, name: Optional[str] = None) -> Any:
-        # Named: Horovod names it after type(obj), which differs between ranks (None off the root).
-        return hvd.broadcast_object(obj, root_rank=root_rank, name=name or "hvdp.broadcast_object",
-                                    process_set=_set(process_set))
+    def _from_tensor(self, result: Any, as_numpy: bool) -> Any:
+        return result.numpy() if as_numpy else result
 
     def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
-        return list(hvd.allgather_object(obj, name="hvdp.allgather_object", process_set=_set(process_set)))
+        return list(hvd.allgather_object(obj, name="hvdp.allgather_object", process_set=self._set(process_set)))
 
     def barrier(self, process_set: Any) -> None:
         # horovod.tensorflow 0.28 has no barrier op; a one-element allreduce is one.
-        hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="hvdp.barrier", process_set=_set(process_set))
+        hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="hvdp.barrier", process_set=self._set(process_set))
 
     def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
         if hvdp_keras.is_keras_model(model):
@@ -216,21 +203,6 @@ class Backend(HorovodJob):
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}.")
         return DistributedGradientTape(tape, self._gradient_reducer(op, compression, 1.0, process_set))
-
-
-def _as_tensor(value: Any, caller: str) -> Tuple[Any, bool]:
-    """(tensor, came_as_numpy) for a TensorFlow tensor/variable or a NumPy array."""
-    if isinstance(value, np.ndarray):
-        return tf.constant(value), True
-    if isinstance(value, (tf.Tensor, tf.Variable)):
-        return value, False
-    raise TypeError(
-        f"{caller} on tensorflow takes a tf.Tensor, a NumPy array or a Python number, got {type(value).__name__}."
-    )
-
-
-def _same_kind(result: Any, as_numpy: bool) -> Any:
-    return result.numpy() if as_numpy else result
 
 
 class DistributedGradientTape:

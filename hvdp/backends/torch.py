@@ -18,22 +18,7 @@ import torch
 
 from hvdp import keras as hvdp_keras
 from hvdp import profiler
-from hvdp.backends._horovod import HorovodJob
-from hvdp.backends.base import reduction_plan
-
-_OPS = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
-_COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
-
-
-def _as_tensor(value: Any, caller: str) -> Tuple[torch.Tensor, bool]:
-    """(tensor, came_as_numpy) for a torch tensor or a NumPy array."""
-    if isinstance(value, torch.Tensor):
-        return value, False
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value)), True
-    raise TypeError(
-        f"{caller} on torch takes a torch.Tensor, a NumPy array or a Python number, got {type(value).__name__}."
-    )
+from hvdp.backends.base import HorovodJob, reduction_plan
 
 
 def _map_tensors(tree: Any, to_numpy: bool) -> Any:
@@ -47,15 +32,6 @@ def _map_tensors(tree: Any, to_numpy: bool) -> Any:
     if not to_numpy and isinstance(tree, np.ndarray):
         return torch.from_numpy(np.array(tree))
     return tree
-
-
-def _same_kind(result: torch.Tensor, as_numpy: bool) -> Any:
-    return result.detach().numpy() if as_numpy else result
-
-
-def _set(process_set: Any) -> Any:
-    """Horovod's process set for hvdp's handle (None: the whole job)."""
-    return hvd.global_process_set if process_set is None else process_set
 
 
 #: Longest sleep between two polls of an unfinished collective (seconds).
@@ -178,46 +154,13 @@ def _share_state(wrapped: torch.optim.Optimizer, original: torch.optim.Optimizer
 
 
 class SyncBatchNorm(hvd.SyncBatchNorm):
-    """Batch norm whose batch statistics are computed over all ranks.
+    """Batch norm whose batch statistics are computed over all ranks: Horovod's SyncBatchNorm.
 
-    On GPUs it is Horovod's SyncBatchNorm; on CPUs (where Horovod's refuses to
-    run) the per-channel sum, sum of squares and count are summed across ranks
-    with Horovod's differentiable allreduce, so forward and backward equal one
+    On GPUs it runs Horovod's CUDA sync; on CPUs (hvdp's build of Horovod) the
+    per-channel sum, sum of squares and count are summed across ranks with
+    Horovod's differentiable allreduce, so forward and backward equal one
     BatchNorm over the union of the ranks' batches.
     """
-
-    _instances = itertools.count()
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # Layers are built in the same order on every rank, so this name matches across ranks.
-        self._hvdp_name = f"hvdp.sync_batch_norm.{next(self._instances)}"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.is_cuda:
-            return super().forward(input)
-        if not self.training or hvd.size() == 1:  # Horovod's refuses CPU tensors even where no sync is needed
-            return torch.nn.modules.batchnorm._BatchNorm.forward(self, input)
-        self._check_input_dim(input)
-        channels = input.size(1)
-        dims = [0, *range(2, input.dim())]
-        count = input.new_full((1,), float(input.numel() // channels))
-        local = torch.cat([input.sum(dims), (input * input).sum(dims), count])
-        total = hvd.allreduce(local, op=hvd.Sum, name=self._hvdp_name)
-        n = total[-1]
-        mean = total[:channels] / n
-        var = total[channels:2 * channels] / n - mean * mean
-        if self.track_running_stats:
-            with torch.no_grad():
-                self.num_batches_tracked += 1
-                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-                self.running_mean.mul_(1 - momentum).add_(momentum * mean)
-                self.running_var.mul_(1 - momentum).add_(momentum * var * n / (n - 1))
-        shape = [1, channels] + [1] * (input.dim() - 2)
-        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
 
 
 class Backend(HorovodJob):
@@ -237,7 +180,7 @@ class Backend(HorovodJob):
         gradient_predivide_factor: float,
         process_set: Any,
     ) -> Any:
-        horovod_set = _set(process_set)
+        horovod_set = self._set(process_set)
         if isinstance(optimizer, torch.optim.Optimizer):
             named: Optional[list] = None
             if model is not None:
@@ -251,9 +194,9 @@ class Backend(HorovodJob):
             wrapped = hvd.DistributedOptimizer(
                 optimizer,
                 named_parameters=named,
-                compression=_COMPRESSIONS[compression],
+                compression=self._compression(compression),
                 backward_passes_per_step=backward_passes_per_step,
-                op=_OPS[op],
+                op=self._op(op),
                 gradient_predivide_factor=gradient_predivide_factor,
                 process_set=horovod_set,
             )
@@ -264,7 +207,7 @@ class Backend(HorovodJob):
         if hvdp_keras.is_keras_optimizer(optimizer):
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
-            horovod_op, comp = _OPS[name], _COMPRESSIONS[compression]
+            horovod_op, comp = self._op(name), self._compression(compression)
 
             # Named: Horovod's torch names for unnamed tensors count per process, not per set.
             def reduce(tensors: List[Any]) -> List[Any]:
@@ -284,7 +227,7 @@ class Backend(HorovodJob):
         )
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
-        horovod_set = _set(process_set)
+        horovod_set = self._set(process_set)
         if hvdp_keras.is_keras_model(model):
             hvdp_keras.broadcast_state(
                 model, optimizer, root_rank,
@@ -330,31 +273,30 @@ class Backend(HorovodJob):
         if not is_root:
             load_state_keeping_objects(optimizer, _put_tensors(skeleton, tensors))
 
+    def _to_tensor(self, value: Any, caller: str) -> Tuple[Any, bool]:
+        if isinstance(value, torch.Tensor):
+            return value, False
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(np.ascontiguousarray(value)), True
+        raise TypeError(
+            f"{caller} on torch takes a torch.Tensor, a NumPy array or a Python number, got {type(value).__name__}."
+        )
+
+    def _from_tensor(self, result: Any, as_numpy: bool) -> Any:
+        return result.detach().numpy() if as_numpy else result
+
     def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
-        tensor, as_numpy = _as_tensor(value, "allreduce")
+        tensor, as_numpy = self._to_tensor(value, "allreduce")
         if tensor.requires_grad and torch.is_grad_enabled():  # differentiable: Horovod's autograd op
-            return _same_kind(hvd.allreduce(tensor, op=_OPS[op], name=name, process_set=_set(process_set)),
-                              as_numpy)
-        handle = hvd.allreduce_async(tensor, op=_OPS[op], name=name, process_set=_set(process_set))
+            return self._from_tensor(hvd.allreduce(tensor, op=self._op(op), name=name,
+                                                   process_set=self._set(process_set)), as_numpy)
+        handle = hvd.allreduce_async(tensor, op=self._op(op), name=name, process_set=self._set(process_set))
         _wait(handle)
-        return _same_kind(hvd.synchronize(handle), as_numpy)
-
-    def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
-        tensor, as_numpy = _as_tensor(value, "allgather")
-        return _same_kind(hvd.allgather(tensor, name=name, process_set=_set(process_set)), as_numpy)
-
-    def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
-        tensor, as_numpy = _as_tensor(value, "broadcast")
-        return _same_kind(hvd.broadcast(tensor, root_rank, name=name, process_set=_set(process_set)), as_numpy)
-
-    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, name: Optional[str] = None) -> Any:
-        # Named: Horovod names it after type(obj), which differs between ranks (None off the root) and hangs.
-        return hvd.broadcast_object(obj, root_rank=root_rank, name=name or "hvdp.broadcast_object",
-                                    process_set=_set(process_set))
+        return self._from_tensor(hvd.synchronize(handle), as_numpy)
 
     def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
         # Horovod 0.28.1's torch allgather_object takes no process set: the same steps, with one.
-        horovod_set = _set(process_set)
+        horovod_set = self._set(process_set)
         data = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
         sizes = hvd.allgather(torch.tensor([data.numel()]), name="hvdp.allgather_object.sizes",
                               process_set=horovod_set).tolist()
@@ -363,7 +305,7 @@ class Backend(HorovodJob):
         return [cloudpickle.loads(gathered[end - size:end]) for size, end in zip(sizes, ends)]
 
     def barrier(self, process_set: Any) -> None:
-        hvd.barrier(process_set=_set(process_set))
+        hvd.barrier(process_set=self._set(process_set))
 
     def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
         if hvdp_keras.is_keras_model(model):

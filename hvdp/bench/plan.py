@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from hvdp.backends.registry import SPECS
 from hvdp.errors import BenchError
 
 SECTIONS = ("overhead", "native", "allreduce", "scaling")
@@ -129,11 +130,11 @@ def plan(settings: Settings) -> List[Group]:
             people.append(Contender(f"horovod (its defaults) {tag}", "horovod", framework, np_, controller,
                                     "threads", model))
         if want_native:
-            native = "ddp" if framework == "torch" else "mwms"
+            native = SPECS[framework].bench_native
             people.append(Contender(f"{native} {tag}", native, framework, np_, controller, "threads", model))
         return people
 
-    frameworks = ("torch", "tensorflow")
+    frameworks = tuple(SPECS)
     if quick:
         cases = [(fw, "cnn", 2, "gloo") for fw in frameworks]
     else:

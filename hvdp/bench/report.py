@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from hvdp.backends.registry import SPECS
 from hvdp.bench.plan import Group, Settings
 from hvdp.bench.stats import algbw, busbw, efficiency, median, quartiles, ratio
 from hvdp.errors import BenchError
@@ -127,7 +128,7 @@ def targets(results: dict, settings: Settings) -> List[Target]:
         return values[0] if values else None
 
     found: List[Target] = []
-    for framework in ("torch", "tensorflow"):
+    for framework in SPECS:
         found.append(Target(f"hvdp/horovod step time, same knobs, {framework} (worst group)",
                             worst("hvdp/horovod same knobs", framework), "<=", 1.02))
         found.append(Target(f"hvdp/horovod step time, hvdp defaults, {framework} (worst group)",

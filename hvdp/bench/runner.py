@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Tuple
 
+from hvdp.backends.registry import SPECS
 from hvdp.bench.plan import Contender, Group, Settings
 from hvdp.bench.stats import median
 from hvdp.errors import BenchError
@@ -58,9 +59,8 @@ def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str
         knobs = {var: hvdp_set[var] for var in THREAD_VARS if var in hvdp_set}
     else:
         knobs = dict(hvdp_set)
-    if contender.framework == "tensorflow":
-        knobs["KERAS_BACKEND"] = "tensorflow"
-        knobs.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    for var, value in SPECS[contender.framework].bench_env:
+        knobs.setdefault(var, value)
     worker = ["--impl", contender.impl, "--framework", contender.framework, "--model", contender.model,
               "--batch", str(settings.batch), "--warmup", str(settings.warmup), "--steps", str(settings.steps),
               "--out", out]

@@ -12,18 +12,16 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
-import resource
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from hvdp.bench import models
-
-#: Synthetic batches per rank, cycled through (enough to defeat caching, small in memory).
-POOL = 4
+from hvdp.backends.registry import SPECS
+from hvdp.bench import models, timing
 
 
 def _write(out: str, record: dict) -> None:
@@ -31,174 +29,6 @@ def _write(out: str, record: dict) -> None:
     with open(tmp, "w") as handle:
         json.dump(record, handle)
     os.replace(tmp, out)
-
-
-#: CPU seconds (all threads of this process, user + system) per measured step, set by _timed_steps.
-CPU_PER_STEP: List[float] = []
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _timed_steps(step: Callable[[int], None], warmup: int, steps: int) -> List[float]:
-    """Wall seconds of each measured step (after ``warmup`` unmeasured ones); CPU time in CPU_PER_STEP."""
-    for i in range(warmup):
-        step(i)
-    times = []
-    cpu = _cpu_seconds()
-    for i in range(steps):
-        start = time.perf_counter()
-        step(warmup + i)
-        times.append(time.perf_counter() - start)
-    CPU_PER_STEP[:] = [(_cpu_seconds() - cpu) / max(1, steps)]
-    return times
-
-
-# --- torch -----------------------------------------------------------------------------------
-
-def _torch_train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tuple[int, int, List[float]]:
-    import torch
-    import torch.nn.functional as F  # noqa: N812
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    model = models.torch_model(model_name)
-    optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if impl == "hvdp":
-        import hvdp
-
-        hvdp.init(framework="torch")
-        rank, size = hvdp.rank(), hvdp.size()
-        optimizer = hvdp.DistributedOptimizer(optimizer, model)
-        hvdp.broadcast_state(model, optimizer)
-    elif impl == "horovod":
-        import horovod.torch as hvd
-
-        hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    elif impl == "ddp":
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        rank, size = dist.get_rank(), dist.get_world_size()
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    elif impl == "single":
-        rank, size = 0, 1
-    else:
-        raise ValueError(f"Unknown torch training implementation {impl!r}.")
-    xs, ys = models.synthetic_batches(model_name, batch, POOL, seed=1000 + rank)
-    x, y = torch.from_numpy(xs), torch.from_numpy(ys)
-
-    def step(i: int) -> None:
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x[i % POOL]), y[i % POOL])
-        loss.backward()
-        optimizer.step()
-
-    times = _timed_steps(step, warmup, steps)
-    if impl == "ddp":
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
-    return rank, size, times
-
-
-# --- TensorFlow ------------------------------------------------------------------------------
-
-def _tf_train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tuple[int, int, List[float]]:
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    import keras
-    import tensorflow as tf
-
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                         reduction="sum_over_batch_size")
-    strategy: Optional[Any] = None
-    if impl == "mwms":
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        rank, size = int(json.loads(os.environ["TF_CONFIG"])["task"]["index"]), strategy.num_replicas_in_sync
-        with strategy.scope():
-            model = models.keras_model(model_name)
-            optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-            model.build((None, *_keras_shape(model_name)))
-            optimizer.build(model.trainable_variables)
-    else:
-        model = models.keras_model(model_name)
-        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-        optimizer.build(model.trainable_variables)
-    reduce: Optional[Callable[[List[Any]], List[Any]]] = None
-    if impl == "hvdp":
-        import hvdp
-
-        hvdp.init(framework="tensorflow")
-        rank, size = hvdp.rank(), hvdp.size()
-        optimizer = hvdp.DistributedOptimizer(optimizer)
-        hvdp.broadcast_state(model, optimizer)
-    elif impl == "horovod":
-        import horovod.tensorflow as hvd
-
-        hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        for variable in model.variables:
-            variable.assign(hvd.broadcast(tf.convert_to_tensor(variable), 0))
-
-        def reduce(grads: List[Any]) -> List[Any]:
-            # What horovod.tensorflow.DistributedGradientTape does (it fails on Keras 3 variables).
-            return [hvd.allreduce(g, op=hvd.Average) for g in grads]
-    elif impl == "single":
-        rank, size = 0, 1
-    elif impl != "mwms":
-        raise ValueError(f"Unknown TensorFlow training implementation {impl!r}.")
-    xs, ys = models.synthetic_batches(model_name, batch, POOL, seed=1000 + rank)
-    if len(xs.shape) == 5:
-        xs = np.ascontiguousarray(xs.transpose(0, 1, 3, 4, 2))
-    x, y = tf.constant(xs), tf.constant(ys)
-    variables = model.trainable_variables
-
-    if strategy is None:
-        @tf.function(jit_compile=False)
-        def train(features: Any, labels: Any) -> Any:
-            with tf.GradientTape() as tape:
-                loss = loss_fn(labels, model(features, training=True))
-            grads = tape.gradient(loss, variables)
-            if reduce is not None:
-                grads = reduce(grads)
-            optimizer.apply_gradients(zip(grads, variables))
-            return loss
-
-        def step(i: int) -> None:
-            float(train(x[i % POOL], y[i % POOL]))
-    else:
-        global_batch = batch * size
-        per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-        @tf.function(jit_compile=False)
-        def replica_step(features: Any, labels: Any) -> Any:
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(per_example(labels, model(features, training=True))) / global_batch
-            grads = tape.gradient(loss, variables)
-            optimizer.apply_gradients(zip(grads, variables))
-            return loss
-
-        @tf.function(jit_compile=False)
-        def train_mwms(features: Any, labels: Any) -> Any:
-            per_replica = strategy.run(replica_step, args=(features, labels))
-            return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
-        def step(i: int) -> None:
-            float(train_mwms(x[i % POOL], y[i % POOL]))
-
-    times = _timed_steps(step, warmup, steps)
-    return rank, size, times
-
-
-def _keras_shape(model_name: str) -> Tuple[int, ...]:
-    shape = models.INPUT_SHAPES[model_name]
-    return (shape[1], shape[2], shape[0]) if len(shape) == 3 else shape
 
 
 # --- allreduce -------------------------------------------------------------------------------
@@ -307,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hvdp.bench.worker")
     parser.add_argument("task", choices=("train", "allreduce"))
     parser.add_argument("--impl", required=True)
-    parser.add_argument("--framework", default="torch", choices=("torch", "tensorflow"))
+    parser.add_argument("--framework", default="torch", choices=tuple(SPECS))
     parser.add_argument("--model", default="cnn", choices=models.MODELS)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=5)
@@ -317,10 +147,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.task == "train":
-        train = _torch_train if args.framework == "torch" else _tf_train
-        rank, size, times = train(args.impl, args.model, args.batch, args.warmup, args.steps)
+        bench = importlib.import_module(SPECS[args.framework].bench_module)
+        rank, size, times = bench.train(args.impl, args.model, args.batch, args.warmup, args.steps)
         record: dict = {"rank": rank, "size": size, "batch": args.batch, "step_seconds": times,
-                        "cpu_seconds_per_step": CPU_PER_STEP[0]}
+                        "cpu_seconds_per_step": timing.CPU_PER_STEP[0]}
     else:
         rank, size, by_size = _allreduce(args.impl, [int(s) for s in args.sizes.split(",")], args.budget)
         record = {"rank": rank, "size": size, "seconds": by_size}

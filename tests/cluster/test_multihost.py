@@ -70,7 +70,9 @@ def check_job(cluster: Cluster, output: str, ranks: list, framework: str, contro
     assert len(found) == 1, output[-4000:]  # printed once, by rank 0
     accuracy, _, total, reported = found[0]
     assert int(total) == 360 and reported == framework
-    assert len(re.findall(r"epoch +\d+/20 +loss", output)) == 20
+    # Rank 0's lines as it wrote them, through hvdp run's relay from the remote host, not horovodrun's tags.
+    assert len(re.findall(r"^epoch +\d+/20 +loss", output, re.M)) == 20, output[-4000:]
+    assert "<stdout>:" not in output and "<stderr>:" not in output, output[-4000:]
     return float(accuracy)
 
 
@@ -87,6 +89,22 @@ def test_example_trains_across_two_hosts_over_ssh(cluster, controller, framework
     ranks = read_ranks(tmp_path, job.stdout)
     accuracy = check_job(cluster, job.stdout, ranks, framework, controller)
     assert accuracy >= 0.95, job.stdout[-3000:]
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_remote_ranks_exception_is_named_from_its_record(cluster, controller, tmp_path):
+    hosts = ",".join(f"{w.address}:1" for w in cluster.workers)
+    job = cluster.run(cluster.launcher, [
+        *HVDP, "run", "-np", "2", "-H", hosts, "--ssh-port", str(SSH_PORT), "--ssh-identity-file", str(cluster.key),
+        "--network-interface", "eth0", f"--{controller}", "--framework", "torch", "--disable-cache",
+        "--start-timeout", "120", str(REPO / "tests" / "parallel" / "workers" / "faults.py"), "raise",
+    ], timeout=JOB_TIMEOUT_S, env=job_env(tmp_path), cwd=REPO)
+    assert job.returncode != 0
+    lines = job.stdout.splitlines()
+    assert any(re.fullmatch(r"hvdp: rank 1 on \S+:", line) for line in lines), job.stdout[-4000:]
+    assert lines.count("[1] Traceback (most recent call last):") == 1, job.stdout[-4000:]
+    assert "hvdp: the job failed: rank 1 raised RuntimeError: injected failure at step 5" in job.stdout
+    assert "rank 0 raised" not in job.stdout and "<stderr>:" not in job.stdout, job.stdout[-4000:]
 
 
 def test_cluster_is_removed_even_when_the_body_fails(tmp_path):

@@ -82,7 +82,7 @@ def test_cpu_image_is_python_311_slim_debian_with_cpu_frameworks():
     assert re.fullmatch(r"python:3\.11-slim-(bookworm|trixie)", args["BASE_IMAGE"])
     assert "FROM ${BASE_IMAGE}" in text and args["TORCH_INDEX_URL"].endswith("/whl/cpu")
     assert '"tensorflow-cpu==${TENSORFLOW_VERSION}"' in text
-    assert re.search(r"^ && hvdp build --jobs", text, flags=re.M) and "--gpu" not in text
+    assert "build(BuildOptions(jobs=${BUILD_JOBS})" in text and "--gpu" not in text
 
 
 def test_gpu_image_builds_nccl_with_one_cuda_version_for_everything():
@@ -94,7 +94,7 @@ def test_gpu_image_builds_nccl_with_one_cuda_version_for_everything():
     # [and-cuda] libraries are CUDA 12 (nvidia-*-cu12), so the toolkit is CUDA 12 too.
     assert args["TORCH_INDEX_URL"].endswith(f"/whl/cu{cuda.group(1)}{cuda.group(2)}")
     assert cuda.group(1) == "12" and '"tensorflow[and-cuda]==${TENSORFLOW_VERSION}"' in text
-    assert "hvdp build --gpu" in text and "libnccl-dev" in text
+    assert "BuildOptions(gpu=True" in text and "libnccl-dev" in text
     assert re.fullmatch(r"\d+(,\d+)*", args["CUDA_CC_LIST"])
 
 
@@ -125,28 +125,52 @@ def compose_model(files) -> dict:
     return json.loads(out.stdout)
 
 
+def launcher_argv(command: list) -> list:
+    """The launcher's job command: it runs as ``bash -c SCRIPT launcher hvdp run ...``."""
+    assert command[:2] == ["bash", "-c"] and command[3] == "launcher", command[:4]
+    return command[4:]
+
+
 def test_compose_launcher_runs_hvdp_on_two_ssh_workers():
     services = compose_model((COMPOSE,))["services"]
-    assert set(services) == {"keygen", "launcher", "worker1", "worker2"}
+    assert set(services) == {"launcher", "worker1", "worker2"}
     launcher = services["launcher"]
-    args = parse_run_args(launcher["command"][2:], arity={})
-    assert launcher["command"][:2] == ["hvdp", "run"]
+    argv = launcher_argv(launcher["command"])
+    assert argv[:2] == ["hvdp", "run"]
+    args = parse_run_args(argv[2:], arity={})
     assert (args.num_proc, args.hosts, args.network_interfaces) == (2, "worker1:1,worker2:1", ["eth0"])
-    assert args.ssh_identity_file == "/etc/hvdp/ssh/id_ed25519" and args.command == ["examples/train_digits.py"]
+    assert args.ssh_identity_file == "/etc/hvdp/ssh/id_ed25519"
+    assert args.command == ["examples/train_digits.py", "--epochs", "20"]
+    assert (args.framework, args.stall_timeout) == ("torch", 300)
     assert (REPO / args.command[0]).exists()
-    assert {name: dep["condition"] for name, dep in launcher["depends_on"].items()} == {
-        "worker1": "service_healthy", "worker2": "service_healthy"}
+    # the key is made when the job starts, where ssh -i looks for it, and the workers' sshd reads it
+    script = launcher["command"][2]
+    assert "ssh-keygen -q -t ed25519 -N '' -C hvdp-job -f id_ed25519" in script
+    assert "cp id_ed25519.pub authorized_keys" in script and 'exec "$$@"' in script
+    # the launcher waits for the workers' sshd itself: no depends_on (podman-compose's --requires)
+    assert "depends_on" not in launcher and "/dev/tcp/$$host/22" in script
     for name in ("worker1", "worker2"):
         worker = services[name]
         assert worker["hostname"] == name and worker["command"] == ["/usr/sbin/sshd", "-D", "-e"]
-        assert worker["depends_on"]["keygen"]["condition"] == "service_completed_successfully"
     for name, service in services.items():
         assert list(service["networks"]) == ["cluster"], name  # one network
         (mount,) = service["volumes"]
         assert (mount["source"], mount["target"]) == ("ssh", "/etc/hvdp/ssh"), name  # one shared key
-        assert mount.get("read_only", False) == (name != "keygen"), name
+        assert mount.get("read_only", False) == (name != "launcher"), name  # only the launcher writes it
         assert service["image"] == "hvdp:cpu" and service["build"]["dockerfile"] == "docker/cpu/Dockerfile"
         assert Path(service["build"]["context"]) == REPO
+
+
+@pytest.mark.parametrize("variables, expected", [
+    ({"HVDP_FRAMEWORK": "tensorflow", "HVDP_CONTROLLER": "--mpi"}, ("tensorflow", "mpi", 300, "20")),
+    ({"HVDP_STALL_TIMEOUT": "15", "HVDP_EPOCHS": "300"}, ("torch", "gloo", 15, "300")),
+])
+def test_compose_job_settings_come_from_the_environment(variables, expected, monkeypatch):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    launcher = compose_model((COMPOSE,))["services"]["launcher"]
+    args = parse_run_args(launcher_argv(launcher["command"])[2:], arity={})
+    assert (args.framework, args.controller, args.stall_timeout, args.command[-1]) == expected
 
 
 def test_compose_gpu_variant_reserves_one_gpu_per_worker():
@@ -374,10 +398,10 @@ def test_every_shell_script_passes_shellcheck():
 def test_compose_inline_script_passes_shellcheck(tmp_path):
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     inline = [s["command"][2] for s in services.values() if s.get("command", [])[:2] == ["bash", "-c"]]
-    assert inline, "the keygen service's script was not found"
+    assert inline, "the launcher's script was not found"
     for number, script in enumerate(inline):
         path = tmp_path / f"inline{number}.sh"
-        path.write_text(f"#!/bin/bash\n{script}\n")
+        path.write_text(f"#!/bin/bash\n{script.replace('$$', '$')}\n")  # Compose's $$ is a literal $
         out = shellcheck(path)
         assert out.returncode == 0, out.stdout + out.stderr
 

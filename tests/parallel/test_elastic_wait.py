@@ -62,6 +62,10 @@ def test_one_of_two_hosts_fails_the_job_says_why_it_waits_then_ends_at_the_elast
                     "--min-np, or raise --elastic-timeout."), job.output[-3000:]
     assert 15 <= ended - shown <= 15 + 10, ended - shown
     assert not job_processes(tmp_path)
+    # The failed worker's record: its traceback, once, when it arrived (the job went on).
+    lines = job.output.splitlines()
+    assert lines.count(f"[{rank}] Traceback (most recent call last):") == 1, job.output[-3000:]
+    assert f"[{rank}] RuntimeError: injected failure on 127.0.0.1" in lines, job.output[-3000:]
     print(f"\nfailure -> message {shown - failed_at:.2f} s; message -> end {ended - shown:.2f} s; exit {code}")
 
 

@@ -170,3 +170,15 @@ def test_target_status():
     assert bench.Target("x", 1.0, "<", 1.0).status == "MISS"
     assert bench.Target("x", None, ">=", 0.9).status == "n/a"
     assert Path(bench.__file__).parent.joinpath("worker.py").exists()
+
+
+def test_each_framework_builds_the_models_beside_its_backend():
+    from hvdp.backends.registry import SPECS
+    from hvdp.bench import models
+
+    assert [spec.bench_module for spec in SPECS.values()] == ["hvdp.backends.torch_bench",
+                                                                "hvdp.backends.tensorflow_bench"]
+    sizes = {name: sum(p.numel() for p in models.build("torch", name).parameters()) for name in models.MODELS}
+    assert sizes == {"cnn": 582026, "mlp": 513162, "resnet18": 11181642}  # 0.6 M, 0.5 M, 11.2 M as documented
+    with pytest.raises(ValueError, match="Unknown model 'vgg'. Expected one of: cnn, mlp, resnet18."):
+        models.build("torch", "vgg")

@@ -11,7 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from hvdp.supervise import ElasticReporter, JobWatcher, TagJoiner
+from hvdp.launch.elastic import ElasticReporter
+from hvdp.launch.watch import JobWatcher, TagJoiner
 
 
 def test_tag_joiner_rebuilds_lines_cut_into_tagged_pieces():
@@ -41,7 +42,7 @@ TREE = textwrap.dedent("""
 
 SUPERVISOR = textwrap.dedent("""
     import sys
-    from hvdp import supervise
+    from hvdp.launch import supervise
     job = supervise.Job(command=[sys.executable, sys.argv[1], sys.argv[2]], env=dict(__import__("os").environ),
                         grace_s=2.0)
     code, _ = supervise.supervise(job)
@@ -103,7 +104,7 @@ def test_the_wait_message_names_workers_hosts_causes_listing_and_time():
 
 def test_the_remote_stop_script_ends_exactly_the_jobs_processes(tmp_path):
     """What hvdp run runs over ssh on every remote host, run here on processes of two jobs."""
-    from hvdp.supervise import JOB_ID_VAR, stop_script
+    from hvdp.launch.stop import JOB_ID_VAR, stop_script
 
     def start(job_id, ignore_term=False):
         ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN)" if ignore_term else "pass"

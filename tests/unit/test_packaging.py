@@ -20,3 +20,17 @@ def test_test_modules_have_unique_names():
     """pytest imports test files by their basename: two with one name stop the whole run at collection."""
     names = [p.name for p in (REPO / "tests").rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def test_the_framework_pins_are_the_specs():
+    """setup.py's extras and the install hint hvdp.init gives name the requirement of each framework's spec."""
+    import re
+
+    from hvdp import _framework
+    from hvdp.backends.registry import SPECS
+
+    setup = (REPO / "setup.py").read_text()
+    for name, spec in SPECS.items():
+        assert re.search(rf'"{name}": \["{re.escape(spec.requirement)}"\]', setup), name
+        assert _framework.INSTALL_HINT[name] == f"pip install {spec.requirement}"
+    assert tuple(SPECS) == _framework.FRAMEWORKS

@@ -16,7 +16,7 @@ import sys
 import horovod.torch as hvd
 import numpy as np
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report
@@ -56,7 +56,7 @@ def main() -> None:
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     for x, y in batches(rank):
         optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        functional.cross_entropy(model(x), y).backward()
         optimizer.step()
     probe = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(7))
     model.eval()
@@ -70,7 +70,7 @@ def main() -> None:
         x = torch.cat([p[step][0] for p in parts])
         y = torch.cat([p[step][1] for p in parts])
         ref_opt.zero_grad()
-        F.cross_entropy(reference(x), y).backward()  # the mean over the union = the average of the ranks' means
+        functional.cross_entropy(reference(x), y).backward()  # union mean = mean of ranks' means
         ref_opt.step()
     reference.eval()
     with torch.no_grad():

@@ -1,0 +1,74 @@
+"""The checks the facade (:mod:`hvdp`) makes on its arguments before dispatching to the backend.
+
+Each raises ValueError saying what was received, what is allowed and how to fix it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional
+
+from hvdp import process_sets as _process_sets
+from hvdp.backends.base import REDUCE_OPS
+from hvdp.process_sets import ProcessSet
+
+
+def check_choice(what: str, value: object, choices: tuple) -> str:
+    """``value`` if it is one of ``choices``.
+
+    Example:
+        >>> check_choice("compression", "fp8", ("none", "fp16"))
+        Traceback (most recent call last):
+        ...
+        ValueError: Unknown compression 'fp8'. Expected one of: none, fp16.
+    """
+    if value not in choices:
+        raise ValueError(f"Unknown {what} {value!r}. Expected one of: {', '.join(choices)}.")
+    return str(value)
+
+
+def check_op(op: object, backend: Any, process_set: Optional[ProcessSet] = None) -> str:
+    """``op`` if it is a reduction this job can run (Adasum: under MPI, on the whole job)."""
+    check_choice("op", op, REDUCE_OPS)
+    if op == "adasum" and backend.controller() != "mpi":
+        raise ValueError(
+            "op='adasum' needs Horovod's MPI controller (Horovod runs Adasum on CPUs over MPI), but this "
+            f"job runs on {backend.controller()}. Launch with hvdp run --mpi, or use op='average'."
+        )
+    if op == "adasum" and process_set is not None:
+        raise ValueError(
+            f"op='adasum' runs on the whole job only (Horovod 0.28.1 has no Adasum on process sets), "
+            f"got process_set={process_set!r}. Use op='average' or 'sum' within a process set."
+        )
+    return str(op)
+
+
+def check_root(root_rank: object, caller: str, process_set: Optional[ProcessSet] = None) -> int:
+    """``root_rank`` as a rank of the whole job (inside a process set, it counts in the set)."""
+    ranks = _process_sets.members(process_set, caller)
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < len(ranks):
+        if process_set is None:
+            raise ValueError(f"root_rank={root_rank!r} is not a rank of this job; expected 0..{len(ranks) - 1}.")
+        raise ValueError(
+            f"root_rank={root_rank!r} is not a rank of {process_set!r}: inside a process set, root_rank counts "
+            f"in the set, 0..{len(ranks) - 1} (root_rank=0 is its first member, rank {ranks[0]})."
+        )
+    return ranks[root_rank]
+
+
+def check_optimizer_options(op: str, backward_passes_per_step: Any, gradient_predivide_factor: Any) -> None:
+    """The numeric options of ``hvdp.DistributedOptimizer``, checked (``op`` already is)."""
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(
+            f"backward_passes_per_step={backward_passes_per_step!r}; expected an integer >= 1."
+        )
+    if not isinstance(gradient_predivide_factor, numbers.Real) or gradient_predivide_factor <= 0:
+        raise ValueError(
+            f"gradient_predivide_factor={gradient_predivide_factor!r}; expected a number > 0."
+        )
+    if gradient_predivide_factor != 1.0 and op != "average":
+        raise ValueError(
+            f"gradient_predivide_factor={gradient_predivide_factor} only applies to "
+            f"op='average' (got op={op!r}); leave it at 1.0."
+        )

@@ -1,0 +1,63 @@
+"""What hvdp knows about a framework without importing it: a :class:`FrameworkSpec` per framework.
+
+``hvdp build`` and ``hvdp doctor`` read these (through :mod:`hvdp.backends.registry`)
+to learn a framework's distributions, Horovod build flag, source patches and probes;
+the backends themselves (``torch.py``, ``tensorflow.py``) import the framework and
+are loaded only by ``hvdp.init``. This module imports nothing from hvdp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Tuple
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One textual change to Horovod's source, which must match exactly once."""
+
+    path: str
+    old: str
+    new: str
+    why: str
+
+
+def insertion(name: str) -> str:
+    """The text of hvdp/horovod_patches/NAME.py, which a patch inserts into a Horovod module."""
+    return "\n\n" + (Path(__file__).parents[1] / "horovod_patches" / f"{name}.py").read_text()
+
+
+@dataclass(frozen=True)
+class FrameworkSpec:
+    """A framework as seen from outside a job: how it is installed, built into Horovod and probed.
+
+    Attributes:
+        name: hvdp's name for it (``hvdp.init(framework=name)``).
+        distributions: the PyPI distributions that install it, the usual one first.
+        requirement: the pinned requirement hvdp is tested with (``pip install hvdp[name]``).
+        horovod_flag: Horovod's build switch, ``HOROVOD_WITH_<flag>`` / ``HOROVOD_WITHOUT_<flag>``.
+        horovod_module: the module of Horovod's layer for it.
+        cmake_patches: changes to its extension's CMake files in Horovod's source.
+        python_patches: changes to its Python layer in Horovod's source.
+        gpu_patches: changes only a GPU build needs.
+        cuda_probe: Python that prints something non-empty when the installed build has CUDA.
+        gpu_count_probe: Python run with ``facts`` (a dict) in scope, setting ``facts['gpus']``.
+        bench_module: ``hvdp bench`` in the framework: ``build_model(name)``, and ``train(...)`` timing it.
+        bench_native: ``hvdp bench``'s contender for the framework's own data parallelism.
+        bench_env: variables every ``hvdp bench`` job of the framework gets, unless already set.
+    """
+
+    name: str
+    distributions: Tuple[str, ...]
+    requirement: str
+    horovod_flag: str
+    horovod_module: str
+    cmake_patches: Tuple[Patch, ...] = ()
+    python_patches: Tuple[Patch, ...] = ()
+    gpu_patches: Tuple[Patch, ...] = ()
+    cuda_probe: str = ""
+    gpu_count_probe: str = ""
+    bench_module: str = ""
+    bench_native: str = ""
+    bench_env: Tuple[Tuple[str, str], ...] = ()

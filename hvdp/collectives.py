@@ -1,0 +1,97 @@
+"""Collectives on any value the facade accepts: framework tensors, NumPy arrays and Python numbers.
+
+A Python number travels as a one-element array and comes back as a number; a
+shape or dtype mismatch between ranks (Horovod's "Mismatched ..." error) becomes a
+:class:`~hvdp.errors.TensorMismatchError` naming what every rank passed. The facade
+(:mod:`hvdp`) validates the arguments first; the backend runs the collective.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from hvdp import process_sets as _process_sets
+from hvdp.errors import TensorMismatchError
+
+
+def describe(value: Any) -> str:
+    """A value's dtype and shape as ranks compare them, e.g. ``float32[2, 3]``; a number's type.
+
+    Example:
+        >>> describe(np.zeros((2, 3), dtype=np.float32)), describe(7)
+        ('float32[2, 3]', 'int')
+    """
+    if isinstance(value, numbers.Number):
+        return type(value).__name__
+    dtype = getattr(value, "dtype", None)
+    dtype_name = str(getattr(dtype, "name", None) or dtype).replace("torch.", "")
+    return f"{dtype_name}{list(getattr(value, 'shape', ()))}"
+
+
+def run(kind: str, backend: Any, value: Any, name: Optional[str], call: Callable[[], Any],
+        process_set: Any = None) -> Any:
+    """Run ``call``; turn Horovod's shape/dtype mismatch into an error naming every rank's tensor."""
+    try:
+        return call()
+    except Exception as exc:
+        if "Mismatched" not in str(exc):
+            raise
+        described = backend.allgather_object(describe(value), _process_sets.handle(process_set, kind))
+        ranks = _process_sets.members(process_set, kind)
+        per_rank = ", ".join(f"rank {r}: {d}" for r, d in zip(ranks, described))
+        raise TensorMismatchError(
+            f"hvdp.{kind} of tensor {name or '(unnamed)'}: ranks passed different shapes or dtypes "
+            f"({per_rank}). Every rank must pass the same dtype and shape"
+            f"{' (except the first dimension)' if kind == 'allgather' else ''} to the same collective."
+        ) from exc
+
+
+def number_as_array(value: Any, as_float: bool) -> Any:
+    """A Python number as a one-element float64 (``as_float`` or a float) or int64 array."""
+    if isinstance(value, complex):
+        raise TypeError(f"hvdp collectives do not support complex numbers, got {value!r}.")
+    return np.asarray([value], dtype=np.float64 if as_float or isinstance(value, float) else np.int64)
+
+
+def is_python_number(value: Any) -> bool:
+    """True for a Python number (bool, int, float, complex), False for NumPy scalars and arrays."""
+    return isinstance(value, numbers.Number) and not isinstance(value, np.generic)
+
+
+def allreduce(backend: Any, value: Any, op: str, name: Optional[str], wire: Optional[str], handle: Any,
+              process_set: Any) -> Any:
+    """``backend.allreduce`` on ``value``; a number comes back a number (a float for ``"average"``)."""
+    if is_python_number(value):
+        as_float = op == "average" or isinstance(value, float)
+        array = number_as_array(value, as_float)
+        result = run("allreduce", backend, value, name, lambda: backend.allreduce(array, op, wire, handle),
+                     process_set)[0]
+        return float(result) if as_float else int(result)
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    return run("allreduce", backend, value, name, lambda: backend.allreduce(value, op, wire, handle), process_set)
+
+
+def allgather(backend: Any, value: Any, name: Optional[str], wire: Optional[str], handle: Any,
+              process_set: Any) -> Any:
+    """``backend.allgather`` on ``value``; a number gives the list of every rank's number."""
+    if is_python_number(value):
+        array = number_as_array(value, False)
+        return run("allgather", backend, value, name, lambda: backend.allgather(array, wire, handle),
+                   process_set).tolist()
+    return run("allgather", backend, value, name, lambda: backend.allgather(value, wire, handle), process_set)
+
+
+def broadcast(backend: Any, value: Any, root: int, name: Optional[str], wire: Optional[str], handle: Any,
+              process_set: Any) -> Any:
+    """``backend.broadcast`` of ``value`` from the job rank ``root``; a number comes back of its own type."""
+    if is_python_number(value):
+        array = number_as_array(value, False)
+        result = run("broadcast", backend, value, name, lambda: backend.broadcast(array, root, wire, handle),
+                     process_set)[0]
+        return type(value)(result)
+    return run("broadcast", backend, value, name, lambda: backend.broadcast(value, root, wire, handle),
+               process_set)

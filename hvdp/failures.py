@@ -1,0 +1,104 @@
+"""Failure records: each rank writes down its own uncaught exception, and ``hvdp run`` reads it.
+
+``hvdp.init()`` calls :func:`install`. When the rank runs under ``hvdp run`` (its worker
+bootstrap sets :data:`FILE_VAR`), an uncaught exception is written as one JSON record
+(:class:`Failure`: rank, host, type, message, traceback, time) to that file before the
+interpreter exits; the bootstrap sends it to ``hvdp run``, which names the first failure
+of the job as its cause and prints that traceback once (torchrun's ``@record`` and error
+files work the same way). Outside ``hvdp run`` nothing changes: the exception is printed
+as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Any, Dict, Optional, Type
+
+#: The file a rank writes its failure record to (set for each rank by ``hvdp run``).
+FILE_VAR = "HVDP_FAILURE_FILE"
+
+#: Exceptions that only say another rank failed first (Horovod stops the collectives of every rank).
+CONSEQUENCES = ("Horovod has been shut down", "HorovodInternalError")
+
+
+@dataclass
+class Failure:
+    """One rank's uncaught exception."""
+
+    rank: int
+    host: str
+    type: str
+    message: str
+    traceback: str
+    time: float
+
+    @property
+    def consequence(self) -> bool:
+        """Whether this exception is only another rank's failure reaching this one."""
+        return any(text in self.type or text in self.message for text in CONSEQUENCES)
+
+    def describe(self) -> str:
+        """``raised RuntimeError: injected failure at step 5``."""
+        return f"raised {self.type}: {self.message}" if self.message else f"raised {self.type}"
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "Failure":
+        """A record read back (fields it lacks get neutral values)."""
+        return cls(rank=int(data.get("rank", -1)), host=str(data.get("host", "")), type=str(data.get("type", "")),
+                   message=str(data.get("message", "")), traceback=str(data.get("traceback", "")),
+                   time=float(data.get("time", 0.0)))
+
+
+def _rank() -> int:
+    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return -1
+
+
+def record(exc_type: Type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> Failure:
+    """The record of an exception raised on this rank.
+
+    Example:
+        >>> try:
+        ...     raise ValueError("bad")
+        ... except ValueError as exc:
+        ...     failure = record(type(exc), exc, exc.__traceback__)
+        >>> failure.describe(), failure.traceback.splitlines()[-1]
+        ('raised ValueError: bad', 'ValueError: bad')
+    """
+    return Failure(rank=_rank(), host=socket.gethostname(), type=exc_type.__name__, message=str(value),
+                   traceback="".join(traceback.format_exception(exc_type, value, tb)), time=time.time())
+
+
+def install() -> None:
+    """Record this rank's uncaught exception for ``hvdp run`` (only when it set :data:`FILE_VAR`).
+
+    The exception is then not printed here: ``hvdp run`` prints the traceback of the first
+    failure once, and keeps every rank's in its ``--log-dir`` files. Idempotent.
+    """
+    path = os.environ.get(FILE_VAR)
+    if not path or getattr(sys.excepthook, "_hvdp_failure_hook", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type: Type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
+        if issubclass(exc_type, KeyboardInterrupt):
+            previous(exc_type, value, tb)
+            return
+        try:
+            with open(path, "w") as out:
+                json.dump(asdict(record(exc_type, value, tb)), out)
+        except OSError:
+            previous(exc_type, value, tb)  # no record: print it as usual
+
+    hook._hvdp_failure_hook = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

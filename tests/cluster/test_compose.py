@@ -1,0 +1,181 @@
+"""docker/cpu/Dockerfile and docker/compose.yml for real, with podman: the image (built by
+scripts/podman-build.sh) runs `hvdp doctor` green and holds no job key; a change to hvdp/ rebuilds
+without recompiling Horovod; Compose brings up a launcher and two workers that train
+examples/train_digits.py to >= 0.95 test accuracy on torch and TensorFlow, under Gloo and MPI,
+exits with the launcher's code, and `down -v` leaves nothing behind; a worker killed, paused or
+cut from the network ends the job non-zero, naming its rank, without a hang.
+
+Opt-in (HVDP_IMAGE_TESTS=1): a cold image build takes minutes (see README, "How these are tested").
+HVDP_TEST_IMAGE names the tag to build and use (default hvdp:cpu).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+import uuid
+
+import images as pm
+import pytest
+
+pytestmark = [pytest.mark.timeout(3600)]
+
+if os.environ.get("HVDP_IMAGE_TESTS") != "1":
+    pytest.skip("image tests are opt-in: HVDP_IMAGE_TESTS=1 (a cold image build takes minutes)",
+                allow_module_level=True)
+if pm.skip_reason():
+    pytest.skip(pm.skip_reason(), allow_module_level=True)
+
+TAG = os.environ.get("HVDP_TEST_IMAGE", "hvdp:cpu")
+ACCURACY = re.compile(r"test accuracy: ([0-9.]+) \((\d+)/(\d+), (\w+), (\d+) processes")
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> pm.Built:
+    log = tmp_path_factory.mktemp("image") / "build.log"
+    built = pm.build_image(TAG, log)
+    print(f"\n[image] {TAG} built in {built.seconds:.0f} s "
+          f"({pm.image_config(TAG)['Size'] / 1e9:.2f} GB)")
+    return built
+
+
+@pytest.fixture
+def project(image, tmp_path):
+    """A Compose project of this test's own; torn down (containers, networks, volumes) after it."""
+    made = pm.Project(name=f"hvdpt{uuid.uuid4().hex[:8]}", image=TAG, log=tmp_path / "compose.log")
+    yield made
+    made.down()
+    made.prune()
+
+
+def test_image_runs_hvdp_doctor_green(image):
+    out = pm.podman("run", "--rm", "--network", "none", TAG, "hvdp", "doctor", timeout=300, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for word in ("torch", "tensorflow", "Gloo", "MPI"):
+        assert word.lower() in out.stdout.lower(), out.stdout
+
+
+def test_no_job_key_is_in_the_image(image):
+    """The job's key is made when the launcher starts, in a volume; no layer made or holds one."""
+    history = "\n".join(pm.image_history(TAG))
+    assert "hvdp-job" not in history and "id_ed25519 " not in history
+    config = pm.image_config(TAG)
+    assert "PRIVATE KEY" not in str(config)
+    assert not [v for v in (config.get("Config") or {}).get("Volumes") or {} if "ssh" in v]
+    out = pm.podman("run", "--rm", "--network", "none", TAG, "bash", "-c",
+                    "ls -A /etc/hvdp/ssh /root/.ssh; grep -rlE 'BEGIN (OPENSSH|RSA|EC) PRIVATE KEY' "
+                    "/root /etc/hvdp /opt 2>/dev/null; true", check=False)
+    listed = [line for line in out.stdout.splitlines() if line and not line.endswith(":")]
+    assert listed == [], out.stdout  # empty key folders, no private key outside /etc/ssh's host keys
+
+
+def test_a_change_to_hvdp_rebuilds_without_compiling_horovod(image, tmp_path):
+    """A copy of the repository with one line added to hvdp/ builds without compiling Horovod:
+    cached layers up to the frameworks, the cached Horovod wheel, then hvdp's install and doctor."""
+    copy = tmp_path / "repo"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=pm.REPO, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        source = pm.REPO / name
+        if source.is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy / name)
+    touched = copy / "hvdp" / "tuning.py"
+    touched.write_text(touched.read_text() + "\n# changed\n")
+    tag = f"hvdp:warm-{uuid.uuid4().hex[:6]}"
+    log = tmp_path / "build.log"
+    started = time.monotonic()
+    done = subprocess.run(["nice", "-n", "10", str(copy / "scripts" / "podman-build.sh"), tag],
+                          stdout=log.open("w"), stderr=subprocess.STDOUT, timeout=1200, check=False)
+    seconds = time.monotonic() - started
+    text = log.read_text()
+    try:
+        assert done.returncode == 0, text[-4000:]
+        print(f"\n[image] rebuilt after a change to hvdp/ in {seconds:.0f} s (cold: {image.seconds:.0f} s)")
+        frameworks = text[text.index("pip install \"torch=="):text.index("AS build-source")]
+        assert "--> Using cache" in frameworks, frameworks  # apt and the frameworks: cached layers
+        # Horovod: podman 4.3 (buildah 1.28) never reuses a COPY --from layer, so the Horovod step
+        # runs again, and installs the wheel of the same cache key that the host's cache holds;
+        # Docker's BuildKit reuses the layer itself (the copied files are the same, times included).
+        build_step = text[text.index("from hvdp.build import"):text.index("COPY setup.py")]
+        assert "Cache hit:" in build_step and "Compiling" not in text, build_step
+        assert "Processing /opt/hvdp" in text or "Successfully installed hvdp" in text
+        assert seconds < 300
+    finally:
+        pm.podman("rmi", tag, check=False)
+
+
+def accuracy(output: str):
+    found = ACCURACY.findall(output)
+    assert found, output[-4000:]
+    value, correct, total, framework, processes = found[-1]
+    return float(value), framework, int(processes)
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_compose_trains_digits_on_two_workers(project, framework, controller):
+    project.settings = {"HVDP_FRAMEWORK": framework, "HVDP_CONTROLLER": f"--{controller}"}
+    project.up()
+    code = project.wait(900)
+    seconds = time.monotonic() - project.started
+    output = project.output()
+    assert code == 0, output[-4000:]
+    value, ran, processes = accuracy(output)
+    print(f"\n[compose] {framework}/{controller}: accuracy {value:.4f} in {seconds:.0f} s (up to exit)")
+    assert (ran, processes) == (framework, 2) and value >= 0.95
+    assert project.down().returncode == 0
+    assert project.leftovers() == {"containers": [], "networks": [], "volumes": []}
+
+
+def test_compose_exits_with_the_launcher_code(project):
+    """A job that fails (a framework name hvdp refuses) makes `up` exit non-zero."""
+    project.settings = {"HVDP_FRAMEWORK": "pytorch"}
+    project.up()
+    assert project.wait(300) != 0
+    assert "pytorch" in project.output()
+
+
+FAULTS = {
+    # fault: (what is done to worker2's container, the bound on the end of the job after it)
+    "kill": (lambda p: pm.podman("kill", p.container("worker2")), 30),
+    "pause": (lambda p: pm.podman("pause", p.container("worker2")), 15 + 45),
+    "disconnect": (lambda p: pm.podman("network", "disconnect", "-f", p.network(), p.container("worker2")),
+                   15 + 45),
+}
+
+
+def run_fault(project: pm.Project, fault: str):
+    """Train for minutes, do ``fault`` to worker2 (rank 1: -H worker1:1,worker2:1) after 2 epochs;
+    (exit code, seconds from the fault to the end of `up`, hvdp's failure line, the output)."""
+    act, bound = FAULTS[fault]
+    project.settings = {"HVDP_STALL_TIMEOUT": "15", "HVDP_EPOCHS": "2000"}
+    project.up()
+    project.wait_for("epoch   2/2000", timeout=300)
+    act(project)
+    hit = time.monotonic()
+    code = project.wait(bound + 120)
+    ended = time.monotonic() - hit
+    output = project.output()
+    if fault == "pause":
+        pm.podman("unpause", project.container("worker2"), check=False)
+    failed = [line for line in output.splitlines() if "hvdp: the job failed" in line or "hvdp run: " in line]
+    print(f"\n[fault] {fault}: exit {code} {ended:.1f} s after the fault\n" + "\n".join(failed))
+    return code, ended, (failed or [""])[-1], output
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_failed_worker_ends_the_job_naming_its_rank(project, fault):
+    code, ended, line, output = run_fault(project, fault)
+    assert code != 0, output[-4000:]
+    assert ended < FAULTS[fault][1], output[-4000:]
+    assert re.search(r"\brank 1\b", line), output[-4000:]
+
+
+@pytest.mark.xfail(strict=True, reason="hvdp's failure line names ranks and exit statuses, not hosts: "
+                   "'rank 0 exited with status 255; rank 1 exited with status 255' for a killed worker2")
+def test_a_killed_worker_is_named_by_its_host(project):
+    code, ended, line, output = run_fault(project, "kill")
+    assert code != 0 and "worker2" in line
