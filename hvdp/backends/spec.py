@@ -9,6 +9,7 @@ are loaded only by ``hvdp.init``. This module imports nothing from hvdp.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Tuple
 
 
@@ -20,6 +21,11 @@ class Patch:
     old: str
     new: str
     why: str
+
+
+def insertion(name: str) -> str:
+    """The text of hvdp/horovod_patches/NAME.py, which a patch inserts into a Horovod module."""
+    return "\n\n" + (Path(__file__).parents[1] / "horovod_patches" / f"{name}.py").read_text()
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,8 @@ each change fixes is its ``why``. ``hvdp build`` applies them (see :mod:`hvdp.ho
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from hvdp.backends.spec import Patch
-
-
-def _insertion(name: str) -> str:
-    """The text of hvdp/horovod_patches/NAME.py, which a patch inserts into a Horovod module."""
-    return "\n\n" + (Path(__file__).parents[1] / "horovod_patches" / f"{name}.py").read_text()
-
+from hvdp.backends.spec import insertion as _insertion
 
 #: XLA ops (``xla_mpi_ops.cc``) need headers the TensorFlow wheel lacks: compiled only with ``hvdp build --xla``.
 CMAKE_PATCHES = (
@@ -158,14 +151,16 @@ KERAS3_PATCHES = (
           "    return model.built if hasattr(model, 'build') else True\n",
           "    return model.built if hasattr(model, 'build') else True\n\n\n"
           "def _optimizer_variables(optimizer, model):\n"
-          "    # Keras 3: `variables` is a list, and an optimizer has its slots only once built (Keras 3\n"
-          "    # builds it before the first step): build it now, so that its whole state is saved and synced.\n"
-          "    if callable(optimizer.variables):\n"
-          "        return optimizer.variables()\n"
-          "    if not getattr(optimizer, 'built', True) and model is not None:\n"
+          "    # Keras 3: `variables` is a list (callable too once Horovod's DistributedOptimizer wrapped it),\n"
+          "    # and an optimizer has its slots only once built (Keras 3 builds it at the first step): build it\n"
+          "    # now, so that its whole state is saved and synced, also on a worker that joins before its first\n"
+          "    # step (else it broadcasts fewer variables than the others, and the job deadlocks).\n"
+          "    if not getattr(optimizer, 'built', True) and model is not None and hasattr(optimizer, 'build'):\n"
           "        optimizer.build(model.trainable_variables)\n"
-          "    return list(optimizer.variables)\n",
-          "elastic KerasState failed on Keras 3 ('list' object is not callable)"),
+          "    variables = optimizer.variables\n"
+          "    return list(variables() if callable(variables) else variables)\n",
+          "elastic KerasState failed on Keras 3 ('list' object is not callable), and deadlocked when a worker "
+          "whose optimizer had not taken a step joined"),
     Patch("horovod/tensorflow/elastic.py", "        broadcast_variables(optimizer.variables(), root_rank=0)\n",
           "        broadcast_variables(_optimizer_variables(optimizer, model), root_rank=0)\n",
           "elastic KerasState.sync() broadcasts a Keras 3 optimizer's state"),

@@ -154,46 +154,13 @@ def _share_state(wrapped: torch.optim.Optimizer, original: torch.optim.Optimizer
 
 
 class SyncBatchNorm(hvd.SyncBatchNorm):
-    """Batch norm whose batch statistics are computed over all ranks.
+    """Batch norm whose batch statistics are computed over all ranks: Horovod's SyncBatchNorm.
 
-    On GPUs it is Horovod's SyncBatchNorm; on CPUs (where Horovod's refuses to
-    run) the per-channel sum, sum of squares and count are summed across ranks
-    with Horovod's differentiable allreduce, so forward and backward equal one
+    On GPUs it runs Horovod's CUDA sync; on CPUs (hvdp's build of Horovod) the
+    per-channel sum, sum of squares and count are summed across ranks with
+    Horovod's differentiable allreduce, so forward and backward equal one
     BatchNorm over the union of the ranks' batches.
     """
-
-    _instances = itertools.count()
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # Layers are built in the same order on every rank, so this name matches across ranks.
-        self._hvdp_name = f"hvdp.sync_batch_norm.{next(self._instances)}"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.is_cuda:
-            return super().forward(input)
-        if not self.training or hvd.size() == 1:  # Horovod's refuses CPU tensors even where no sync is needed
-            return torch.nn.modules.batchnorm._BatchNorm.forward(self, input)
-        self._check_input_dim(input)
-        channels = input.size(1)
-        dims = [0, *range(2, input.dim())]
-        count = input.new_full((1,), float(input.numel() // channels))
-        local = torch.cat([input.sum(dims), (input * input).sum(dims), count])
-        total = hvd.allreduce(local, op=hvd.Sum, name=self._hvdp_name)
-        n = total[-1]
-        mean = total[:channels] / n
-        var = total[channels:2 * channels] / n - mean * mean
-        if self.track_running_stats:
-            with torch.no_grad():
-                self.num_batches_tracked += 1
-                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-                self.running_mean.mul_(1 - momentum).add_(momentum * mean)
-                self.running_var.mul_(1 - momentum).add_(momentum * var * n / (n - 1))
-        shape = [1, channels] + [1] * (input.dim() - 2)
-        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
 
 
 class Backend(HorovodJob):

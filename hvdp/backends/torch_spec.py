@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hvdp.backends.spec import FrameworkSpec, Patch
+from hvdp.backends.spec import FrameworkSpec, Patch, insertion
 
 SPEC = FrameworkSpec(
     name="torch",
@@ -13,6 +13,20 @@ SPEC = FrameworkSpec(
     cmake_patches=(
         Patch("horovod/torch/CMakeLists.txt", "    set(CMAKE_CXX_STANDARD 14)", "    set(CMAKE_CXX_STANDARD 17)",
               "the torch extension re-selected C++14 for torch >= 1.5"),
+    ),
+    python_patches=(
+        Patch("horovod/torch/sync_batch_norm.py",
+              "        # currently only GPU input is supported by underlying kernel from PyTorch\n"
+              "        if not input.is_cuda:\n"
+              "            raise ValueError('SyncBatchNorm expected input tensor to be on GPU')\n",
+              "        # the sync below runs CUDA kernels; CPU tensors sum their statistics with an allreduce\n"
+              "        if not input.is_cuda:\n"
+              "            return cpu_sync_batch_norm(self, input)\n",
+              "SyncBatchNorm refused CPU tensors, even in eval mode or on one process (Horovod's own synthetic "
+              "benchmark failed with --no-cuda)"),
+        Patch("horovod/torch/sync_batch_norm.py", "class _SyncBatchNorm(Function):\n",
+              insertion("torch_sync_batch_norm").lstrip("\n") + "\n\nclass _SyncBatchNorm(Function):\n",
+              "the CPU forward of SyncBatchNorm (hvdp/horovod_patches/torch_sync_batch_norm.py)"),
     ),
     gpu_patches=(
         Patch("horovod/torch/cuda_util.cc",

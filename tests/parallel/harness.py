@@ -33,9 +33,9 @@ def run_job(args: List[str], out_dir: Path, np_: int = 2, timeout: int = TIMEOUT
            "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("HVDP_FRAMEWORK", None)
     env.pop("KERAS_BACKEND", None)
-    proc = subprocess.run([*HVDP, "run", "-np", str(np_), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
-    output = proc.stdout + proc.stderr
+    proc = subprocess.Popen([*HVDP, "run", "-np", str(np_), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = communicate(proc, timeout, f"hvdp run {' '.join(args)}")
     ranks = []
     for rank in range(np_):
         path = out_dir / f"rank{rank}.json"

@@ -9,7 +9,7 @@ data; every rank must end identical to the others and equal, within rtol 1e-5, t
 from __future__ import annotations
 
 import pytest
-from harness import max_abs_diff, run_worker
+from harness import WORKERS, max_abs_diff, run_job, run_worker
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
@@ -20,6 +20,11 @@ def keras_job(request, tmp_path_factory):
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def tf_job(request, tmp_path_factory):
     return run_worker("dropin_tf.py", request.param, "tensorflow", tmp_path_factory.mktemp("tf"))
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def torch_job(request, tmp_path_factory):
+    return run_worker("dropin_torch.py", request.param, "torch", tmp_path_factory.mktemp("torch"))
 
 
 def _same_and_equal_to_one_process(ranks: list, key: str) -> None:
@@ -73,6 +78,19 @@ def test_keras_load_model_restores_a_distributed_optimizer_with_its_state(keras_
         assert "legacy_opts=False" in rank["load_model"]["legacy"]
 
 
+def test_horovod_keras_callbacks_and_learning_rate_schedule_on_keras3(keras_job):
+    r0, r1 = (r["standalone_keras"] for r in keras_job.ranks)
+    assert r0["before"] != r1["before"] and r0["class"] == "SGD"
+    _same_and_equal_to_one_process(keras_job.ranks, "standalone_keras")
+    # LearningRateScheduleCallback: 0.1 halved each epoch, 3 batches an epoch, the same on every rank.
+    expected = [0.1] * 3 + [0.05] * 3 + [0.025] * 3
+    for rank in (r0, r1):
+        assert rank["lr"] == pytest.approx(expected, rel=1e-6)
+        assert rank["logged_lr"] == pytest.approx([0.1, 0.05, 0.025], rel=1e-6)
+        assert len(rank["warnings"]) == 1 and "momentum_correction=False" in rank["warnings"][0], rank["warnings"]
+    assert r0["history"] == r1["history"]  # MetricAverageCallback
+
+
 def test_tf_distributed_gradient_tape_on_keras3_variables(tf_job):
     r0, r1 = (r["tape"] for r in tf_job.ranks)
     assert r0["before"] != r1["before"] and r0["start"] == r1["start"]  # hvd.broadcast_variables
@@ -96,3 +114,36 @@ def test_tf_sync_batch_normalization_equals_batch_norm_on_the_union(tf_job):
     for rank in tf_job.ranks:
         assert rank["sync_bn"]["outputs_vs_union"]["close"], rank["sync_bn"]
         assert rank["sync_bn"]["moving_vs_union"]["close"], rank["sync_bn"]
+
+
+def test_torch_sync_batch_norm_on_cpu_equals_batch_norm_on_the_union(torch_job):
+    r0, r1 = torch_job.ranks
+    assert r0["before"] != r1["before"]  # different initial weights until hvd.broadcast_parameters
+    assert max_abs_diff(r0["after"], r1["after"]) <= 1e-6
+    for rank in torch_job.ranks:  # weights and running statistics, then the outputs in eval mode
+        assert rank["vs_union"]["close"], rank["vs_union"]
+        assert rank["eval_outputs_vs_union"]["close"], rank["eval_outputs_vs_union"]
+
+
+def test_elastic_keras_state_two_workers_to_one_and_back_with_a_new_unbuilt_optimizer(tmp_path):
+    """horovod.tensorflow.keras's elastic API under `hvdp run --elastic` (Gloo): a worker is killed, rank 0
+    trains on alone from its last commit, then a new worker joins whose Keras 3 optimizer was never built."""
+    (tmp_path / "hosts").write_text("localhost:1\n127.0.0.1:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text('#!/bin/sh\ncat "$(dirname "$0")/hosts"\n')
+    discover.chmod(0o755)
+    job = run_job(["--elastic", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover),
+                   "--blacklist-cooldown-range", "1", "2", "--framework", "tensorflow",
+                   str(WORKERS / "dropin_elastic_keras.py")], tmp_path, np_=2, timeout=300)
+    assert job.returncode == 0, job.output[-6000:]
+    assert [r["rank"] for r in job.ranks] == [0, 1], job.output[-4000:]
+    first, joined = sorted(job.ranks, key=lambda r: not r["first_incarnation"])  # Horovod may renumber them
+    assert first["first_incarnation"] and not joined["first_incarnation"]
+    assert first["sizes"] == [2, 1, 2] and joined["sizes"] == [2]
+    assert first["resets"] == [1, 2] and joined["resets"] == []
+    # The joined worker received rank 0's whole optimizer state: Adam's moments and its step counter.
+    assert joined["optimizer_variables"] == first["optimizer_variables"] > 2
+    assert joined["iterations"] == first["iterations"]
+    for rank in job.ranks:
+        assert rank["epoch"] == 4 and rank["max_abs_diff"] == 0.0 and rank["max_abs_diff_slots"] == 0.0, rank
+    assert first["weights"] == joined["weights"] and first["slots"] == joined["slots"]

@@ -1,7 +1,9 @@
 """An existing horovod.tensorflow.keras script, unchanged, on Keras 3 (hvdp's Horovod build).
 
 Only Horovod's own API: hvd.DistributedOptimizer in model.fit and in a custom loop,
-hvd.callbacks (broadcast, metric average, warmup), hvd.load_model. Every rank starts
+hvd.callbacks (broadcast, metric average, warmup), hvd.load_model, and the same through
+horovod.keras (the binding for the standalone keras package, which is Keras 3 now) with its
+learning rate schedule callback. Every rank starts
 from different weights and trains on different data; each result is compared with one
 process (plain Keras, no Horovod) that trains on the union of the ranks' batches.
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import warnings
 
+import horovod.keras as hvd_keras
 import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
 import numpy as np
@@ -174,13 +178,44 @@ def reload(rank: int, size: int, trained: keras.Model) -> dict:
             "legacy": refusal(lambda: hvd.load_model(path, legacy_opts=True))}
 
 
+def standalone_keras(rank: int, size: int) -> dict:
+    """horovod.keras: DistributedOptimizer(SGD with momentum) in model.fit with its callbacks, the learning
+    rate halved each epoch by LearningRateScheduleCallback; momentum correction cannot apply to a Keras 3
+    optimizer (momentum is compiled in as a constant): a warning says so, and training stays exact."""
+    model = make_model(seed=40 + rank)
+    before = flat(model)
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    model.compile(optimizer=opt, loss=loss_fn())
+    x, y = rank_data(rank, seed=6)
+    lrs: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[
+            hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+            hvd_keras.callbacks.MetricAverageCallback(),
+            hvd_keras.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=lambda epoch: 0.5 ** epoch),
+            keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: lrs.append(
+                float(np.asarray(model.optimizer.learning_rate))))])
+
+    reference = make_model(seed=40)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss_fn())
+    ux, uy = union(size, seed=6)
+    reference.fit(ux, uy, batch_size=BATCH * size, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.LearningRateScheduler(lambda epoch: 0.1 * 0.5 ** epoch)])
+    return {"before": digest(before), "after": flat(model).tolist(), "vs_union": compare(flat(model), flat(reference)),
+            "class": type(model.optimizer).__name__, "lr": lrs, "logged_lr": [float(v) for v in history.history["lr"]],
+            "history": [float(v) for v in history.history["loss"]],
+            "warnings": sorted({str(w.message) for w in caught if "momentum" in str(w.message)})}
+
+
 def main() -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     fitted, model = fit(rank, size)
     record = {"rank": rank, "size": size, "keras": keras.__version__, "fit": fitted,
               "custom_loop": custom_loop(rank, size), "accumulate": accumulate(rank, size),
-              "warmup": warmup(rank, size), "load_model": reload(rank, size, model)}
+              "warmup": warmup(rank, size), "load_model": reload(rank, size, model),
+              "standalone_keras": standalone_keras(rank, size)}
     _report.write(rank, record)
 
 
