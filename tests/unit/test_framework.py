@@ -73,9 +73,10 @@ def test_horovod_without_the_framework_built_in_gives_the_fix(monkeypatch, tmp_p
 
 
 def test_missing_horovod_gives_the_fix(monkeypatch, tmp_path):
-    (tmp_path / "hvdp_no_horovod_backend.py").write_text("import horovod.torch\n")
+    # What `import horovod.torch` raises where Horovod is not installed (whatever was imported before).
+    (tmp_path / "hvdp_no_horovod_backend.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'horovod'\", name='horovod')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(sys.modules, "horovod", None)  # as if Horovod were not installed
     monkeypatch.setitem(_framework._BACKEND_MODULE, "torch", "hvdp_no_horovod_backend")
     with pytest.raises(hvdp.FrameworkError, match="Horovod is not installed.*hvdp build"):
         _framework.load_backend("torch")
