@@ -339,7 +339,7 @@ DOCSTRINGS: Dict[str, tuple] = {
     "hvdp.elastic.Sampler": ("hvdp.elastic", "torch_training", None),
     "hvdp.elastic.run": ("hvdp.elastic", "torch_training",
                          lambda n: {"train_one_epoch": lambda model, optimizer: n["step"](0)}),
-    "hvdp.launch.check_discovery_script": ("hvdp.launch", "torch_job", _discovery_script),
+    "hvdp.launch.hosts.check_discovery_script": ("hvdp.launch.hosts", "torch_job", _discovery_script),
     "hvdp.profiler.phase": ("hvdp.profiler", "torch_training", lambda n: {"batches": iter(n["batches"])}),
     "hvdp.profiler.timed": ("hvdp.profiler", "torch_training", None),
 }
