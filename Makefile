@@ -14,7 +14,7 @@ test: setup
 	.venv/bin/python -m pytest tests
 
 test-unit: setup
-	.venv/bin/python -m pytest tests -m unit
+	.venv/bin/python -m pytest tests -m "unit and not slow"
 
 lint: setup
 	.venv/bin/ruff check hvdp tests examples

@@ -96,6 +96,7 @@ def test_gpu_build_on_a_cpu_machine_says_what_is_missing():
     assert "torch" in str(err.value) and "is not a CUDA build" in str(err.value)
 
 
+@pytest.mark.slow
 def test_hvdp_build_gpu_refuses_here_and_lists_every_missing_piece(tmp_path):
     env = {**os.environ, "HVDP_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
     for var in ("CUDA_HOME", "HOROVOD_CUDA_HOME", "HOROVOD_NCCL_HOME", "NCCL_HOME"):

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from hvdp import doctor as hvdp_doctor
 
 
@@ -14,6 +16,7 @@ def doctor(*args):
                           text=True, check=False, timeout=300)
 
 
+@pytest.mark.slow
 def test_doctor_lists_both_frameworks_and_both_controllers():
     out = doctor()
     assert out.returncode == 0, out.stdout + out.stderr

@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Set
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 #: files `hvdp build` puts into Horovod's source: importable only from inside Horovod
 NOT_MODULES = REPO / "hvdp" / "horovod_patches"
@@ -88,6 +90,7 @@ def test_the_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     def alone(name: str) -> str:
         proc = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=REPO, capture_output=True,
