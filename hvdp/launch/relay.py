@@ -100,6 +100,14 @@ class RankOutput:
     def __init__(self, rank: int, stream: str, display: "Display") -> None:
         self.rank, self.stream, self.display = rank, stream, display
         self.held = b""  # the start of a line that may be noise, or a prefixed rank's unfinished line
+        self.unlogged = b""  # the unfinished line, kept from the log until it ends (stdout and stderr share it)
+
+    def log(self, data: bytes) -> None:
+        """Into the rank's log, whole lines at a time, so that its stdout and stderr lines stay whole."""
+        data, self.unlogged = self.unlogged + data, b""
+        cut = data.rfind(b"\n") + 1
+        self.display.log(self.rank, data[:cut])
+        self.unlogged = data[cut:]
 
     def raw(self, data: bytes) -> None:
         """Rank 0's way: bytes as written, whole noise lines left out."""
@@ -128,6 +136,8 @@ class RankOutput:
         self.display.terminal.line(self.stream, f"[{self.rank}] ".encode() + text + b"\n")
 
     def flush(self) -> None:
+        self.display.log(self.rank, self.unlogged)
+        self.unlogged = b""
         if self.held and self.display.shows(self.rank) and self.display.is_raw(self.rank):
             self.display.terminal.write(self.stream, self.held)
         elif self.held and self.display.shows(self.rank):
@@ -239,7 +249,7 @@ class Relay:
                     self.on_line(rank, output.stream, lines[kind].decode("utf-8", "replace"))
 
     def _output(self, rank: int, output: RankOutput, data: bytes) -> None:
-        self.display.log(rank, data)
+        output.log(data)
         if not self.display.shows(rank):
             return
         if self.display.is_raw(rank):

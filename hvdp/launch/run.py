@@ -76,7 +76,11 @@ def run(argv: List[str]) -> int:
     if returncode != 0 and not job.received:
         final = job.elastic.final_line() if job.elastic is not None else None
         cause = watcher.cause()
+        text = final or watcher.summary(returncode)
         if job.elastic is None and cause is not None and cause[2] is not None and not watcher.stalled:
-            print(supervise.traceback_block(cause[2]), end="", file=sys.stderr, flush=True)
-        print(final or watcher.summary(returncode), file=sys.stderr, flush=True)
+            text = supervise.traceback_block(cause[2]) + text
+        if job.terminal is not None:  # after a progress bar rank 0 left mid-line, on a line of its own
+            job.terminal.line("stderr", (text + "\n").encode())
+        else:
+            print(text, file=sys.stderr, flush=True)
     return returncode

@@ -183,7 +183,9 @@ def stop_tree(grace_s: float = GRACE_S, keep: Iterable[int] = (), urgent: Option
         if not alive:
             break
         for process in alive:
-            stopped.killed.append(labels.get(process.pid) or "a helper process")
+            label = labels.get(process.pid) or "a helper process"
+            if not (label.startswith("rank ") and label in stopped.killed):  # a rank and its bootstrap: once
+                stopped.killed.append(label)
         signal_all(signal.SIGKILL)
         psutil.wait_procs(alive, timeout=1)
         reap_orphans(keep)

@@ -76,6 +76,8 @@ class Job:
     received: List[int] = field(default_factory=list)
     #: With it, the command's ranks start through :mod:`hvdp.launch.worker` and report to the relay.
     output: Optional[Output] = None
+    #: Where :func:`supervise` wrote; the last lines about the job go there too (on a line of their own).
+    terminal: Optional[Terminal] = None
 
 
 def traceback_block(failure: Failure) -> str:
@@ -94,7 +96,7 @@ def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) ->
     become_subreaper()
     watcher = job.elastic.watcher if job.elastic is not None else JobWatcher()
     settings = job.output or Output()
-    terminal = Terminal(out, err)
+    terminal = job.terminal = Terminal(out, err)
     display = Display(terminal, settings.mode, settings.log_dir, quiet=not settings.startup_logs)
     relay: Optional[Relay] = None
     if job.output is not None:
