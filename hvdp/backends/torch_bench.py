@@ -109,3 +109,126 @@ def train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tu
         dist.barrier()
         dist.destroy_process_group()
     return rank, size, times
+
+
+def _clock_offset_ns() -> int:
+    """time_ns - perf_counter_ns on this process (the tightest of a few brackets): turns marks into wall time."""
+    import time
+
+    best = None
+    for _ in range(7):
+        before = time.perf_counter_ns()
+        wall = time.time_ns()
+        after = time.perf_counter_ns()
+        if best is None or after - before < best[0]:
+            best = (after - before, wall - (before + after) // 2)
+    assert best is not None
+    return best[1]
+
+
+def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline: str) -> Tuple[int, dict]:
+    """Time ``hvdp.allreduce`` and Horovod's in-place ``allreduce_`` call by call, alternating, at each size.
+
+    Every call records the :data:`hvdp.bench.breakdown.MARKS` (perf_counter ns) at the points it passes
+    through Horovod's Python (``allreduce_async``, ``_allreduce_async``, ``synchronize``, wrapped here
+    for the run) and its minor page faults; rank 0 writes Horovod's timeline to ``timeline``. Returns
+    (rank, record); rank 0's record holds every rank's phases, the timeline's split of rank 0's wait
+    included (the job is shut down on return, so that the timeline is complete).
+    """
+    import resource
+    import time
+
+    import horovod.torch as hvd
+    from horovod.torch import mpi_ops
+
+    import hvdp
+    from hvdp.bench import breakdown as bd
+
+    os.environ["HOROVOD_TIMELINE"] = timeline
+    hvdp.init(framework="torch")
+    rank, size = hvdp.rank(), hvdp.size()
+    controller = "mpi" if hvd.mpi_enabled() else "gloo"
+    now = time.perf_counter_ns
+    current: dict = {}
+    originals = (hvd.allreduce_async, mpi_ops._allreduce_async, hvd.synchronize, mpi_ops.synchronize)
+
+    def allreduce_async(*args: Any, **kwargs: Any) -> Any:
+        current["alloc"] = now()
+        return originals[0](*args, **kwargs)
+
+    def _allreduce_async(*args: Any, **kwargs: Any) -> Any:
+        current["enqueue"] = now()
+        handle = originals[1](*args, **kwargs)
+        current["enqueued"] = now()
+        return handle
+
+    def synchronize(handle: Any) -> Any:
+        result = originals[2](handle)
+        current["done"] = now()
+        return result
+
+    hvd.allreduce_async, mpi_ops._allreduce_async = allreduce_async, _allreduce_async
+    hvd.synchronize = mpi_ops.synchronize = synchronize
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    marks: dict = {v: {} for v in bd.VARIANTS}
+    minflt: dict = {v: {} for v in bd.VARIANTS}
+    def measure(nbytes: int) -> None:
+        key = str(nbytes)
+        tensors = {v: torch.ones(nbytes // 4) for v in bd.VARIANTS}
+        names = {v: f"breakdown.{i}.{nbytes}" for i, v in enumerate(bd.VARIANTS)}
+        run = {bd.VARIANTS[0]: lambda: hvdp.allreduce(tensors[bd.VARIANTS[0]], op="sum", name=names[bd.VARIANTS[0]]),
+               bd.VARIANTS[1]: lambda: hvd.allreduce_(tensors[bd.VARIANTS[1]], op=hvd.Sum, name=names[bd.VARIANTS[1]])}
+        for variant in bd.VARIANTS:
+            marks[variant][key], minflt[variant][key] = [], []
+
+        def timed(variant: str) -> None:
+            current.clear()
+            before = faults()
+            current["start"] = now()
+            result = run[variant]()
+            current["end"] = now()
+            del result
+            current["freed"] = now()
+            minflt[variant][key].append(faults() - before)
+            current.setdefault("alloc", current["enqueue"])
+            marks[variant][key].append([current[m] for m in bd.MARKS])
+
+        hvdp.barrier()
+        for variant in bd.VARIANTS:  # the first call of each: an estimate of the time per call
+            timed(variant)
+        first = marks[bd.VARIANTS[0]][key][0]
+        estimate = (first[-1] - first[0]) / 1e9
+        # Every rank makes the same number of calls: rank 0's.
+        count = int(hvdp.broadcast_object(int(max(3, min(calls, budget / max(estimate, 1e-6)))), 0))
+        for _ in range(warmup + count):
+            for variant in bd.VARIANTS:
+                timed(variant)
+
+    try:
+        for nbytes in sizes:
+            measure(nbytes)
+    finally:
+        hvd.allreduce_async, mpi_ops._allreduce_async, hvd.synchronize, mpi_ops.synchronize = originals
+    mine = {"marks": marks, "faults": minflt, "offset_ns": _clock_offset_ns()}
+    every = hvdp.allgather_object(mine)
+    hvdp.shutdown()
+    if rank != 0:
+        return rank, {}
+    parsed = bd.parse_timeline(open(timeline).read())
+    phases: dict = {}
+    fault_out: dict = {}
+    for name_index, variant in enumerate(bd.VARIANTS):
+        phases[variant], fault_out[variant] = {}, {}
+        for nbytes in sizes:
+            key = str(nbytes)
+            per_rank = {r: {"marks": rec["marks"][variant][key], "offset_ns": rec["offset_ns"]}
+                        for r, rec in enumerate(every)}
+            skip = 1 + warmup  # the estimating call and the warm-up calls are left out
+            rows = bd.call_phases(per_rank, parsed, f"allreduce.breakdown.{name_index}.{nbytes}", skip)
+            phases[variant][key] = {str(r): v for r, v in rows.items()}
+            fault_out[variant][key] = {str(r): rec["faults"][variant][key][skip:] for r, rec in enumerate(every)}
+    env = {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_") and k != "HOROVOD_TIMELINE"}
+    return rank, {"controller": controller, "size": size, "phases": phases, "faults": fault_out, "env": env}

@@ -16,6 +16,9 @@ Sections:
 * ``allreduce``: ``hvdp.allreduce`` vs mpi4py ``Allreduce`` vs ``torch.distributed.all_reduce``,
   4 KB to 64 MB of float32: algbw = bytes / seconds, busbw = algbw * 2 (n - 1) / n.
 * ``scaling``: hvdp throughput at np=1 and np=2, one thread per rank; efficiency = T2 / (2 T1).
+* ``breakdown``: where each ``hvdp.allreduce`` call's time goes (Python, allocation, cycle wait,
+  negotiation, copies, transport), beside Horovod's in-place op, under Gloo and MPI
+  (:mod:`hvdp.bench.breakdown`).
 
 Example:
     >>> # hvdp bench --quick --json bench.json --plot bench.png
@@ -33,6 +36,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from hvdp.bench.breakdown import parse_sizes as parse_breakdown_sizes
 from hvdp.bench.plan import (
     SECTIONS,
     SWEEP_BYTES,
@@ -52,7 +56,8 @@ from hvdp.errors import BenchError
 __all__ = [
     "DESCRIPTION", "EPILOG", "JOB_TIMEOUT_S", "SECTIONS", "SWEEP_BYTES", "THREAD_VARS", "BenchError", "Contender",
     "Group", "Settings", "Target", "add_arguments", "algbw", "busbw", "check_writable", "efficiency", "format_table",
-    "hvdp_env", "job", "machine", "main", "make_settings", "median", "parse_sections", "plan", "plot", "ratio",
+    "hvdp_env", "job", "machine", "main", "make_settings", "median", "parse_breakdown_sizes", "parse_sections", "plan",
+    "plot", "ratio",
     "run", "run_contender", "run_groups", "summarize", "targets",
 ]
 
@@ -75,6 +80,7 @@ Takes about 25 min (the full run) or about 3 min (--quick) on 2 cores."""
 EPILOG = """examples:
   hvdp bench --quick                               every kind of comparison, 2 rounds (about 3 min)
   hvdp bench --only allreduce --json ar.json       one section, every figure written to ar.json
+  hvdp bench --only breakdown --breakdown 4K,64M   where each allreduce call's time goes (about 1 min)
   hvdp bench --json bench.json --plot bench.png    the full run, with a plot (about 25 min)"""
 
 
@@ -89,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, help="alternating rounds per comparison (quick 2, full 3)")
     parser.add_argument("--steps", type=int, help="measured steps per job (quick 12, full 30)")
     parser.add_argument("--warmup", type=int, help="warm-up steps left out (quick 2, full 5)")
+    parser.add_argument("--breakdown", metavar="SIZES",
+                        help="sizes of the breakdown section, e.g. 4K,64M (default: 4K,64M)")
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the figures (matplotlib)")
 
@@ -96,6 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``hvdp bench`` for parsed ``args``; raises BenchError on bad options or a failed job."""
     settings = make_settings(args.quick, args.rounds, args.steps, args.warmup, args.only)
+    if getattr(args, "breakdown", None):
+        settings.breakdown_bytes = parse_breakdown_sizes(args.breakdown)
     check_writable(args.json, "--json")
     check_writable(args.plot, "--plot")
     if args.plot:
@@ -103,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError as exc:
             raise BenchError("--plot needs matplotlib: pip install matplotlib (or leave out --plot).") from exc
-    if ("allreduce" in settings.sections or "overhead" in settings.sections) and not shutil.which("mpirun"):
+    if {"allreduce", "overhead", "breakdown"} & set(settings.sections) and not shutil.which("mpirun"):
         raise BenchError("hvdp bench needs mpirun for the MPI contenders: apt-get install -y openmpi-bin "
                          "libopenmpi-dev, or choose sections with --only native,scaling.")
     groups = plan(settings)

@@ -10,12 +10,14 @@ from typing import Any, Dict, List, Optional, Tuple
 from hvdp.backends.registry import SPECS
 from hvdp.errors import BenchError
 
-SECTIONS = ("overhead", "native", "allreduce", "scaling")
+SECTIONS = ("overhead", "native", "allreduce", "scaling", "breakdown")
 
 
 #: float32 allreduce sizes of the sweep, in bytes: 4 KB to 256 MB, by factors of 4 (--quick stops at 64 MB).
 SWEEP_BYTES = tuple(4096 * 4 ** k for k in range(9))
 QUICK_SWEEP_BYTES = SWEEP_BYTES[:8]
+#: Sizes of the breakdown section, in bytes (``--breakdown``): the sweep's latency and bandwidth ends.
+BREAKDOWN_BYTES = (4096, 64 << 20)
 
 
 @dataclass
@@ -30,6 +32,9 @@ class Settings:
     allreduce_budget: float = 0.15
     sections: Tuple[str, ...] = SECTIONS
     sweep_bytes: Tuple[int, ...] = SWEEP_BYTES
+    breakdown_bytes: Tuple[int, ...] = BREAKDOWN_BYTES
+    breakdown_calls: int = 30  # timed calls per size and variant, at most
+    breakdown_budget: float = 3.0  # seconds of timed calls per size and variant, about
 
 
 @dataclass
@@ -83,7 +88,7 @@ def make_settings(quick: bool, rounds: Optional[int], steps: Optional[int], warm
         ('native',)
     """
     settings = Settings(mode="quick", rounds=2, warmup=2, steps=12, allreduce_budget=0.05,
-                        sweep_bytes=QUICK_SWEEP_BYTES) if quick else \
+                        sweep_bytes=QUICK_SWEEP_BYTES, breakdown_calls=12, breakdown_budget=1.0) if quick else \
         Settings(mode="full", rounds=3, warmup=5, steps=30, allreduce_budget=0.4)
     for flag, value in (("--rounds", rounds), ("--steps", steps)):
         if value is not None and value < 1:
@@ -166,4 +171,9 @@ def plan(settings: Settings) -> List[Group]:
                              task="allreduce")]
         # The sweep's own repetitions are many; in a quick run one round of each contender is enough.
         groups.append(Group("allreduce", people, rounds=1 if quick else None))
+    if "breakdown" in sections:
+        # One job per controller; each alternates hvdp.allreduce and Horovod's allreduce_ call by call.
+        groups.append(Group("breakdown", [
+            Contender(f"allreduce breakdown ({ctl})", "hvdp", np=2, controller=ctl, task="breakdown")
+            for ctl in ("gloo", "mpi")], rounds=1))
     return groups

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from hvdp.backends.registry import SPECS
+from hvdp.bench import breakdown
 from hvdp.bench.plan import Group, Settings
 from hvdp.bench.stats import algbw, busbw, efficiency, median, quartiles, ratio
 from hvdp.errors import BenchError
@@ -41,6 +42,10 @@ def summarize(groups: List[Group], settings: Settings) -> dict:
     for group in groups:
         if group.name == "allreduce":
             results["allreduce"] = _allreduce_figures(group)
+            continue
+        if group.name == "breakdown":
+            results["breakdown"] = breakdown.summarize([rec for c in group.contenders
+                                                        for rec in group.runs.get(c.label, [])])
             continue
         figures: dict = {"name": group.name, "contenders": {}}
         for contender in group.contenders:
@@ -187,6 +192,9 @@ def format_table(results: dict) -> str:
                 low, high = fig.get("spread_seconds", [[math.nan, math.nan]] * len(sweep["bytes"]))[i]
                 cells += f"  {fig['seconds'][i] * 1e3:>11.3f} [{low * 1e3:.3f}-{high * 1e3:.3f}]".rjust(32)
             lines.append(f"  {_human(nbytes):>10}{cells}")
+        lines.append("")
+    if results.get("breakdown"):
+        lines.append(breakdown.format_table(results["breakdown"]))
         lines.append("")
     scaling = results.get("scaling")
     if scaling:

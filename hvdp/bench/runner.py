@@ -67,6 +67,10 @@ def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str
     if contender.task == "allreduce":
         worker = ["--impl", contender.impl, "--sizes", ",".join(map(str, settings.sweep_bytes)),
                   "--budget", str(settings.allreduce_budget), "--out", out]
+    if contender.task == "breakdown":
+        worker = ["--impl", contender.impl, "--sizes", ",".join(map(str, settings.breakdown_bytes)),
+                  "--calls", str(settings.breakdown_calls), "--warmup", str(min(settings.warmup, 2)),
+                  "--budget", str(settings.breakdown_budget), "--out", out]
     worker = [contender.task, *worker]
     python = [sys.executable, "-m", "hvdp.bench.worker"]
     env = {**base, **knobs, "PYTHONUNBUFFERED": "1"}
@@ -142,5 +146,13 @@ def _brief(record: dict) -> str:
         cpu = record.get("cpu_seconds_per_step")
         return f"step {median(record['step_seconds']) * 1e3:7.1f} ms" + \
             (f", rank 0 CPU {cpu * 1e3:6.1f} ms/step" if cpu is not None else "")
+    if "phases" in record:
+        variant = next(iter(record["phases"]))
+        cells = []
+        for nbytes, by_rank in record["phases"][variant].items():
+            rows = by_rank.get("0", [])
+            cells.append(f"{int(nbytes) >> 10} KB in {median([r['call'] for r in rows]) / 1e3:.1f} ms"
+                         if rows else f"{int(nbytes) >> 10} KB: no calls")
+        return f"{variant}: " + ", ".join(cells)
     largest = max(record["seconds"], key=int)
     return f"{int(largest) >> 20} MB in {median(record['seconds'][largest]) * 1e3:.1f} ms"

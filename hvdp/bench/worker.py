@@ -135,7 +135,7 @@ def _agree(impl: str, value: int) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one benchmark process as the command line says; rank 0 writes ``--out``."""
     parser = argparse.ArgumentParser(prog="python -m hvdp.bench.worker")
-    parser.add_argument("task", choices=("train", "allreduce"))
+    parser.add_argument("task", choices=("train", "allreduce", "breakdown"))
     parser.add_argument("--impl", required=True)
     parser.add_argument("--framework", default="torch", choices=tuple(SPECS))
     parser.add_argument("--model", default="cnn", choices=models.MODELS)
@@ -144,6 +144,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sizes", default="4096")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timed allreduces per size")
+    parser.add_argument("--calls", type=int, default=20, help="breakdown: timed calls per size and variant (most)")
+    parser.add_argument("--timeline", help="breakdown: where rank 0 writes Horovod's timeline (default: --out's)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.task == "train":
@@ -151,6 +153,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         rank, size, times = bench.train(args.impl, args.model, args.batch, args.warmup, args.steps)
         record: dict = {"rank": rank, "size": size, "batch": args.batch, "step_seconds": times,
                         "cpu_seconds_per_step": timing.CPU_PER_STEP[0]}
+    elif args.task == "breakdown":
+        from hvdp.backends import torch_bench
+
+        rank, record = torch_bench.breakdown([int(s) for s in args.sizes.split(",")], args.calls, args.warmup,
+                                             args.budget, args.timeline or args.out + ".timeline.json")
+        if rank == 0:
+            _write(args.out, record)
+        return 0  # the job is shut down already
     else:
         rank, size, by_size = _allreduce(args.impl, [int(s) for s in args.sizes.split(",")], args.budget)
         record = {"rank": rank, "size": size, "seconds": by_size}
