@@ -309,7 +309,7 @@ def format_table(figures: dict) -> str:
             lines.append(f"    {'calls':<26}" + "".join(f"  {r.get('calls', 0):>30}" for r in rank0))
             for rank in sorted({k for c in columns for k in c if str(k) != "0"}, key=int):
                 other = [c.get(rank, {}) for c in columns]
-                lines.append(f"    rank {rank}: python before / alloc / enqueue / wait / after, call (median us)")
+                lines.append(f"    rank {rank}: python before / alloc / enqueue / wait / after / free, call (median us)")
                 lines.append("    " + " " * 26 + "".join(
                     "  " + " / ".join(_us(o.get("median_us", {}).get(p)) for p in PYTHON_PHASES).rjust(30)
                     + f", {_us(o.get('median_us', {}).get('call'))}" for o in other))
