@@ -80,7 +80,7 @@ Takes about 25 min (the full run) or about 3 min (--quick) on 2 cores."""
 EPILOG = """examples:
   hvdp bench --quick                               every kind of comparison, 2 rounds (about 3 min)
   hvdp bench --only allreduce --json ar.json       one section, every figure written to ar.json
-  hvdp bench --only breakdown --breakdown 4K,64M   where each allreduce call's time goes (about 1 min)
+  hvdp bench --only breakdown --breakdown 4K,64M   an allreduce call's time, by phase (1 min)
   hvdp bench --json bench.json --plot bench.png    the full run, with a plot (about 25 min)"""
 
 
