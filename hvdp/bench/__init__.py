@@ -105,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
     """Run ``hvdp bench`` for parsed ``args``; raises BenchError on bad options or a failed job."""
     settings = make_settings(args.quick, args.rounds, args.steps, args.warmup, args.only)
     if getattr(args, "breakdown", None):
+        if "breakdown" not in settings.sections:
+            raise BenchError(f"--breakdown {args.breakdown} sets the sizes of the breakdown section, which --only "
+                             f"{args.only} leaves out: add it, e.g. --only {args.only},breakdown.")
         settings.breakdown_bytes = parse_breakdown_sizes(args.breakdown)
     check_writable(args.json, "--json")
     check_writable(args.plot, "--plot")

@@ -309,7 +309,8 @@ def format_table(figures: dict) -> str:
             lines.append(f"    {'calls':<26}" + "".join(f"  {r.get('calls', 0):>30}" for r in rank0))
             for rank in sorted({k for c in columns for k in c if str(k) != "0"}, key=int):
                 other = [c.get(rank, {}) for c in columns]
-                lines.append(f"    rank {rank}: python before / alloc / enqueue / wait / after / free, call (median us)")
+                lines.append(f"    rank {rank}: python before / alloc / enqueue / wait / after / free, call "
+                             "(median us)")
                 lines.append("    " + " " * 26 + "".join(
                     "  " + " / ".join(_us(o.get("median_us", {}).get(p)) for p in PYTHON_PHASES).rjust(30)
                     + f", {_us(o.get('median_us', {}).get('call'))}" for o in other))
@@ -334,15 +335,15 @@ def parse_sizes(text: str) -> Tuple[int, ...]:
         (4096, 67108864, 1024)
     """
     sizes = []
-    for part in text.split(","):
-        part = part.strip().upper().removesuffix("B")
+    for raw in text.split(","):
+        part = raw.strip().upper().removesuffix("B")
         if not part:
             continue
         factor = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(part[-1], 1)
         digits = part[:-1] if factor > 1 else part
         if not digits.isdigit() or int(digits) * factor < 4 or int(digits) * factor % 4:
-            raise BenchError(f"--breakdown {text!r}: {part!r} is not a size in bytes that is a positive multiple "
-                             "of 4 (float32). Give sizes such as 4K,64M or 4096,67108864.")
+            raise BenchError(f"--breakdown {text!r}: {raw.strip()!r} is not a size in bytes that is a positive "
+                             "multiple of 4 (float32). Give sizes such as 4K,64M or 4096,67108864.")
         sizes.append(int(digits) * factor)
     if not sizes:
         raise BenchError(f"--breakdown {text!r}: no size given; e.g. --breakdown 4K,64M.")
