@@ -183,15 +183,35 @@ class Display:
             self.logs.clear()
 
 
+#: A running rank whose last frame is older than this has gone silent (its heartbeat stopped).
+SILENT_S = 3 * worker.HEARTBEAT_S
+
+
 class Relay:
-    """The listener every rank sends its output, failure record and exit to."""
+    """The listener every rank sends its output, failure record, heartbeat and exit to.
+
+    A rank whose connection closes without an exit frame was lost (its bootstrap was killed
+    with it, or its host or container went away): ``on_lost(rank, host, when)``. A running
+    rank whose frames stopped (:meth:`silent`) is paused or cut off from the network.
+    """
 
     def __init__(self, display: Display, on_line: Callable[[int, str, str], None],
-                 on_failure: Callable[[Failure], None], on_exit: Callable[[int, int, float], None]) -> None:
+                 on_failure: Callable[[Failure], None], on_exit: Callable[[int, int, float], None],
+                 on_lost: Optional[Callable[[int, str, float], None]] = None) -> None:
         self.display, self.on_line, self.on_failure, self.on_exit = display, on_line, on_failure, on_exit
+        self.on_lost = on_lost
         self.token = secrets.token_hex(16)
         self.server: Optional[socket.socket] = None
         self.threads: List[threading.Thread] = []
+        #: Running ranks by connection: [rank, host, time of the last frame].
+        self.running: Dict[int, List] = {}
+        self._lock = threading.Lock()
+
+    def silent(self, seconds: float, now: Optional[float] = None) -> List[Tuple[int, str, float]]:
+        """(rank, host, time of its last frame) of each running rank that sent nothing for ``seconds``."""
+        now = time.time() if now is None else now
+        with self._lock:
+            return sorted((rank, host, last) for rank, host, last in self.running.values() if now - last > seconds)
 
     def start(self, bind: str = "127.0.0.1") -> int:
         """Listen (on ``bind``, any free port); the port."""
@@ -224,15 +244,28 @@ class Relay:
             if not isinstance(hello, dict) or hello.get("token") != self.token:
                 return
             rank = int(hello.get("rank", -1))
+            host = str(hello.get("host", ""))
+            key = id(conn)
+            with self._lock:
+                self.running[key] = [rank, host, time.time()]
             outputs = {kind: RankOutput(rank, name, self.display)
                        for kind, name in ((b"o", "stdout"), (b"e", "stderr"))}
             lines = {kind: b"" for kind in outputs}
+            ended = False
             while True:
-                header = stream.read(_HEADER.size)
-                if len(header) < _HEADER.size:
+                try:
+                    header = stream.read(_HEADER.size)
+                    if len(header) < _HEADER.size:
+                        break
+                    kind, length = _HEADER.unpack(header)
+                    payload = stream.read(length)
+                except OSError:  # reset by the peer: as lost as a closed connection
                     break
-                kind, length = _HEADER.unpack(header)
-                payload = stream.read(length)
+                with self._lock:
+                    if key in self.running:
+                        self.running[key][2] = time.time()
+                if kind == b"h":
+                    continue
                 if kind in outputs:
                     self._output(rank, outputs[kind], payload)
                     *whole, lines[kind] = (lines[kind] + payload).split(b"\n")
@@ -241,8 +274,15 @@ class Relay:
                 elif kind == b"r":
                     self._failure(rank, payload)
                 elif kind == b"x":
-                    ended = json.loads(payload)
-                    self.on_exit(rank, int(ended.get("code", 0)), float(ended.get("time", time.time())))
+                    ended = True
+                    with self._lock:
+                        self.running.pop(key, None)
+                    exit_ = json.loads(payload)
+                    self.on_exit(rank, int(exit_.get("code", 0)), float(exit_.get("time", time.time())))
+            with self._lock:
+                self.running.pop(key, None)
+            if not ended and self.on_lost is not None:
+                self.on_lost(rank, host, time.time())
             for kind, output in outputs.items():
                 output.flush()
                 if lines[kind]:

@@ -21,13 +21,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import IO, Dict, List, Optional, Tuple
 
 from hvdp.failures import Failure
 from hvdp.launch import worker
 from hvdp.launch.elastic import ElasticReporter
-from hvdp.launch.relay import Display, Relay, Terminal, is_noise, reachable_address, stream_env
+from hvdp.launch.relay import SILENT_S, Display, Relay, Terminal, is_noise, reachable_address, stream_env
 from hvdp.launch.stop import (
     GRACE_S,
     JOB_ID_VAR,
@@ -78,6 +79,8 @@ class Job:
     output: Optional[Output] = None
     #: Where :func:`supervise` wrote; the last lines about the job go there too (on a line of their own).
     terminal: Optional[Terminal] = None
+    #: A rank silent this long (no output, no heartbeat: paused, or cut off) ends the job; 0: never.
+    silence_s: float = 0.0
 
 
 def traceback_block(failure: Failure) -> str:
@@ -106,7 +109,8 @@ def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) ->
                 terminal.line("stderr", traceback_block(failure).encode())
 
         relay = Relay(display, on_line=lambda rank, stream, line: watcher.feed(f"[{rank}]<{stream}>:{line}\n"),
-                      on_failure=on_failure, on_exit=watcher.exit)
+                      on_failure=on_failure, on_exit=watcher.exit,
+                      on_lost=watcher.lost if job.elastic is None else None)
         bind, host = reachable_address(settings.hosts)
         relay.start(bind)
         job.env = {**job.env, worker.ADDRESS_VAR: relay.address(host)}
@@ -159,8 +163,20 @@ def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) ->
 
             elastic.say = say
             threading.Thread(target=elastic.remind, args=(stop,), daemon=True).start()
+        silenced = False
         while process.poll() is None and not stop.wait(0.2):
             reap_orphans(keep=[process.pid])
+            quiet = relay.silent(job.silence_s) if relay is not None and job.silence_s else []
+            if quiet and job.elastic is None:  # nothing else would end the job before the ranks' timeouts
+                for rank, host, last in quiet:
+                    watcher.silent(rank, host, last, time.time() - last)
+                silenced = True
+                break
+        if silenced:
+            stop_tree(job.grace_s, keep=[process.pid], urgent=urgent, remote=job.remote)
+            process.wait()
+            reader.join(timeout=2)
+            return 1, watcher
         if stop.is_set():
             signum = job.received[0]
             name = signal.Signals(signum).name
@@ -175,9 +191,13 @@ def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) ->
                                     f"{stopped.seconds:.1f} s{killed}{left}.\n".encode())
             return 128 + signum, watcher
         returncode = process.wait()
+        ended = time.time()
         reader.join(timeout=10)
         if relay is not None:
             relay.wait(DRAIN_S)
+            if returncode != 0 and job.elastic is None:  # a rank still connected but long silent: the cause
+                for rank, host, last in relay.silent(SILENT_S, now=ended):
+                    watcher.silent(rank, host, last, ended - last)
         if held and (returncode == 0 or watcher.cause() is None):
             terminal.write("stdout", "".join(held).encode())
         # Nothing of the job outlives it (e.g. workers an elastic driver left behind).

@@ -56,6 +56,8 @@ class JobWatcher:
         self.raised: Dict[int, str] = {}
         self.records: List[Failure] = []
         self.exits: List[Tuple[float, int, int]] = []
+        self.losses: List[Tuple[float, int, str]] = []
+        self.silences: List[Tuple[float, int, str, float]] = []
         self._mpi_rank: Optional[int] = None
 
     def failure(self, failure: Failure) -> None:
@@ -67,6 +69,16 @@ class JobWatcher:
     def exit(self, rank: int, code: int, when: float) -> None:
         """A rank's process ended with ``code`` (negative: killed by that signal) at ``when``."""
         self.exits.append((when, rank, code))
+
+    def lost(self, rank: int, host: str, when: float) -> None:
+        """A rank's connection to ``hvdp run`` closed at ``when`` with no exit status: it was killed with its
+        bootstrap, or its host or container went away."""
+        self.losses.append((when, rank, host))
+
+    def silent(self, rank: int, host: str, last: float, seconds: float) -> None:
+        """A running rank sent nothing (not even its heartbeat) after ``last``, for ``seconds``: its host
+        or container is paused, or cut off from the network."""
+        self.silences.append((last, rank, host, seconds))
 
     def cause(self) -> Optional[Tuple[int, str, Optional[Failure]]]:
         """The first failure of the job by its records: (rank, what happened, its record); None if none.
@@ -82,6 +94,14 @@ class JobWatcher:
                 # No record (a script without hvdp.init()): the exception its traceback named, if any.
                 why = f"raised {self.raised[rank]}" if rank in self.raised else describe_exit(code)
                 events.append((when, rank, why, None))
+        for when, rank, host in self.losses:
+            if rank not in recorded:
+                events.append((when, rank, f"{_on(host)}was lost: its processes ended without an exit status "
+                                           "(killed, or its host or container went away)", None))
+        for last, rank, host, seconds in self.silences:
+            events.append((last, rank, f"{_on(host)}went silent: nothing from it, not even its heartbeat, for "
+                                       f"{seconds:.0f} s (its host or container paused, or cut off from the "
+                                       "network)", None))
         if not events:
             return None
         _, rank, why, failure = min(events, key=lambda event: event[0])
@@ -127,6 +147,10 @@ class JobWatcher:
             ranks = "; ".join(f"rank {r} {why}" for r, why in sorted(causes.items()))
             return f"hvdp: the job failed: {ranks}. The other ranks were stopped (exit code {returncode})."
         return f"hvdp: the job failed with exit code {returncode}; see the output above."
+
+
+def _on(host: str) -> str:
+    return f"on {host} " if host else ""
 
 
 _TAG = re.compile(r"\[\d+,\d+\]<std(?:out|err)>:")

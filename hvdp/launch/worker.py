@@ -14,7 +14,9 @@ horovodrun's own way. Only the standard library is used, and the file runs by it
 a rank starts without importing hvdp twice.
 
 Frames on the connection: a JSON hello line, then ``kind (1 byte) + length (4 bytes) +
-payload``: ``o``/``e`` output of stdout/stderr, ``r`` a failure record, ``x`` the exit.
+payload``: ``o``/``e`` output of stdout/stderr, ``r`` a failure record, ``x`` the exit, and
+``h`` (empty) every :data:`HEARTBEAT_S` seconds while COMMAND runs, so that ``hvdp run`` can
+tell a rank that went silent (its host paused, or cut off from the network) from a busy one.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ TTY_VAR = "HVDP_OUTPUT_TTY"
 SHARED_VAR = "HVDP_OUTPUT_SHARED"
 #: The file COMMAND writes its failure record to (:data:`hvdp.failures.FILE_VAR`).
 FAILURE_VAR = "HVDP_FAILURE_FILE"
+#: Seconds between two heartbeats of a running rank.
+HEARTBEAT_S = 2.0
 _HEADER = struct.Struct("!cI")
 _PR_SET_PDEATHSIG = 1
 
@@ -163,6 +167,13 @@ def main(command: List[str]) -> int:
              for (read_end, _), kind in zip(pipes, (b"o", b"e"))]
     for pump in pumps:
         pump.start()
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            sender.send(b"h", b"")
+
+    threading.Thread(target=heartbeat, daemon=True).start()
     while True:
         try:
             code = child.wait()
@@ -170,6 +181,7 @@ def main(command: List[str]) -> int:
             break
         except InterruptedError:
             continue
+    done.set()
     for pump in pumps:  # the rest of the output (a process COMMAND left running may hold the pipe)
         pump.join(timeout=2)
     try:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
 from harness import WORKERS, run_job
 
 from hvdp.launch.watch import JobWatcher
+from hvdp.launch.worker import HEARTBEAT_S
 
 
 def run_fault(mode, controller, tmp_path, *extra):
@@ -40,6 +42,29 @@ def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_ten
     assert job.returncode != 0
     assert 10 <= detection < 10 + 20, detection  # Horovod checks every timeout/5 s, then the launcher stops
     assert "hvdp: the job was ended: rank 1 never submitted allreduce." in job.output, job.output[-3000:]
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_rank_killed_with_its_bootstrap_is_named_as_lost_with_its_host(controller, tmp_path):
+    """No exit status and no record can come (as when a worker's container is killed): the rank's
+    connection to hvdp run closed without one, and that names it."""
+    job, detection = run_fault("vanish", controller, tmp_path)
+    assert job.returncode != 0 and detection < 60, detection
+    host = socket.gethostname()
+    assert f"hvdp: the job failed: rank 1 on {host} was lost: its processes ended without an exit status" \
+        in job.output, job.output[-3000:]
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_paused_rank_ends_the_job_after_the_stall_timeout_naming_it(controller, tmp_path):
+    """A rank and its bootstrap stopped (SIGSTOP, as a paused container): alive, but its heartbeat stops.
+    Unwatched, the job waited for Gloo's or MPI's own timeouts and blamed rank 0."""
+    job, detection = run_fault("pause", controller, tmp_path, "--stall-timeout", "10")
+    assert job.returncode != 0
+    # Silence counts from the last heartbeat (up to HEARTBEAT_S before the pause); then the job is stopped.
+    assert 10 - HEARTBEAT_S <= detection < 10 + 15, detection
+    assert f"hvdp: the job failed: rank 1 on {socket.gethostname()} went silent: nothing from it, not even its " \
+           "heartbeat, for 1" in job.output, job.output[-3000:]
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])

@@ -1,6 +1,8 @@
 """A training loop in which rank 1 fails at step 5 (argv[1]): kill9 (SIGKILL to itself), raise
-(an exception), or stall (it stops taking part in collectives). Rank 1 writes the moment of
-the fault to $HVDP_TEST_OUT/fault_time so the test can time the detection."""
+(an exception), stall (it stops taking part in collectives), vanish (SIGKILL to itself and to the
+process that started it, as when its container is killed), or pause (SIGSTOP to both, as when its
+container is paused). Rank 1 writes the moment of the fault to $HVDP_TEST_OUT/fault_time so the
+test can time the detection."""
 
 from __future__ import annotations
 
@@ -32,6 +34,10 @@ def main() -> None:
                 raise RuntimeError("injected failure at step 5")
             if mode == "stall":
                 time.sleep(3600)
+            if mode in ("vanish", "pause"):
+                sig = signal.SIGKILL if mode == "vanish" else signal.SIGSTOP
+                os.kill(os.getppid(), sig)
+                os.kill(os.getpid(), sig)
         optimizer.zero_grad()
         model(torch.randn(4, 8)).sum().backward()
         optimizer.step()
