@@ -5,7 +5,8 @@ examples/train_digits.py to >= 0.95 test accuracy on torch and TensorFlow, under
 exits with the launcher's code, and `down -v` leaves nothing behind; a worker killed, paused or
 cut from the network ends the job non-zero, naming its rank, without a hang.
 
-Opt-in (HVDP_IMAGE_TESTS=1): a cold image build takes minutes (see README, "How these are tested").
+Part of `make test` (as root): the image build takes about 4 minutes when setup.sh's Horovod wheel
+is cached, seconds when podman's layers are; HVDP_IMAGE_TESTS=0 leaves these tests out.
 HVDP_TEST_IMAGE names the tag to build and use (default hvdp:cpu).
 """
 
@@ -23,9 +24,8 @@ import pytest
 
 pytestmark = [pytest.mark.timeout(3600)]
 
-if os.environ.get("HVDP_IMAGE_TESTS") != "1":
-    pytest.skip("image tests are opt-in: HVDP_IMAGE_TESTS=1 (a cold image build takes minutes)",
-                allow_module_level=True)
+if os.environ.get("HVDP_IMAGE_TESTS", "1") == "0":
+    pytest.skip("image tests left out: HVDP_IMAGE_TESTS=0", allow_module_level=True)
 if pm.skip_reason():
     pytest.skip(pm.skip_reason(), allow_module_level=True)
 
