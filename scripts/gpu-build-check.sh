@@ -11,7 +11,9 @@
 #   scripts/gpu-build-check.sh --force    # rebuild Horovod even if the cached wheel fits
 #
 # Exit status 0 only when the build succeeded, the Horovod torch library links libnccl, and
-# hvdp doctor reports NCCL built in.
+# hvdp doctor reports NCCL built in. The wheel it caches in ~/.cache/hvdp/wheels has the cache key
+# of the GPU image that scripts/podman-build-gpu.sh builds (same torch, CUDA wheels, Python,
+# Open MPI and g++; tests/cluster/test_gpu_static.py keeps the two in step), which installs it.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=${HVDP_GPU_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdp/gpu-venv}
