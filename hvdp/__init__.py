@@ -13,17 +13,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
 from hvdp import _framework, elastic, profiler
 from hvdp import arguments as _args
 from hvdp import checkpoint as _checkpoint
-from hvdp import collectives as _collectives
 from hvdp import consistency as _consistency
 from hvdp import process_sets as _process_sets
 from hvdp.backends.base import COMPRESSIONS
+from hvdp.collectives import allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object
 from hvdp.data import shard_indices
 from hvdp.errors import (
     BuildError,
@@ -237,96 +237,6 @@ def broadcast_state(
     backend = _framework.current("broadcast_state")
     handle = _process_sets.handle(process_set, "broadcast_state")
     backend.broadcast_state(model, optimizer, _args.check_root(root_rank, "broadcast_state", process_set), handle)
-
-
-def allreduce(value: Any, op: str = "average", name: Optional[str] = None, *,
-              process_set: Optional[ProcessSet] = None) -> Any:
-    """Reduce ``value`` across all processes (or a process set) and return the result to every one.
-
-    Args:
-        value: a tensor of the chosen framework, a NumPy array or a Python number;
-            the result is of the same kind (a number comes back as a float for
-            ``"average"``).
-        op: ``"average"``, ``"sum"`` or ``"adasum"``.
-        name: a name for the collective, the same on every rank (optional).
-        process_set: reduce only among the members of this :class:`ProcessSet`
-            (the same holds for every collective below).
-
-    Raises:
-        TensorMismatchError: ranks passed different shapes or dtypes.
-
-    Example:
-        >>> accuracy = hvdp.allreduce(correct, op="sum") / hvdp.allreduce(total, op="sum")  # doctest: +SKIP
-    """
-    backend = _framework.current("allreduce")
-    handle = _process_sets.handle(process_set, "allreduce")
-    _args.check_op(op, backend, process_set)
-    wire = _process_sets.collective_name("allreduce", name, process_set)
-    return _collectives.allreduce(backend, value, op, name, wire, handle, process_set)
-
-
-def allgather(value: Any, name: Optional[str] = None, *, process_set: Optional[ProcessSet] = None) -> Any:
-    """Concatenate every rank's ``value`` along the first dimension, in rank order.
-
-    Ranks may pass different first dimensions; a Python number gives a list
-    of every rank's number.
-
-    Example:
-        >>> losses = hvdp.allgather(torch.tensor([loss]))  # doctest: +SKIP
-    """
-    backend = _framework.current("allgather")
-    handle = _process_sets.handle(process_set, "allgather")
-    wire = _process_sets.collective_name("allgather", name, process_set)
-    return _collectives.allgather(backend, value, name, wire, handle, process_set)
-
-
-def broadcast(value: Any, root_rank: int = 0, name: Optional[str] = None, *,
-              process_set: Optional[ProcessSet] = None) -> Any:
-    """``root_rank``'s ``value`` on every rank (same kind as given).
-
-    With ``process_set``, ``root_rank`` counts inside the set (0 is its first member).
-
-    Example:
-        >>> seed = hvdp.broadcast(np.array([seed]), root_rank=0)  # doctest: +SKIP
-    """
-    backend = _framework.current("broadcast")
-    handle = _process_sets.handle(process_set, "broadcast")
-    root = _args.check_root(root_rank, "broadcast", process_set)
-    wire = _process_sets.collective_name("broadcast", name, process_set)
-    return _collectives.broadcast(backend, value, root, name, wire, handle, process_set)
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, *, process_set: Optional[ProcessSet] = None) -> Any:
-    """``root_rank``'s picklable Python object, on every rank (of ``process_set``).
-
-    Example:
-        >>> config = hvdp.broadcast_object(config if hvdp.rank() == 0 else None)  # doctest: +SKIP
-    """
-    backend = _framework.current("broadcast_object")
-    handle = _process_sets.handle(process_set, "broadcast_object")
-    return backend.broadcast_object(obj, _args.check_root(root_rank, "broadcast_object", process_set), handle)
-
-
-def allgather_object(obj: Any, *, process_set: Optional[ProcessSet] = None) -> List[Any]:
-    """Every rank's picklable Python object, as a list in rank order (of ``process_set``).
-
-    Example:
-        >>> hosts = hvdp.allgather_object(socket.gethostname())  # doctest: +SKIP
-    """
-    backend = _framework.current("allgather_object")
-    handle = _process_sets.handle(process_set, "allgather_object")
-    return backend.allgather_object(obj, handle)
-
-
-def barrier(*, process_set: Optional[ProcessSet] = None) -> None:
-    """Return once every rank (of ``process_set``) has reached this call.
-
-    Example:
-        >>> hvdp.barrier()  # doctest: +SKIP
-    """
-    backend = _framework.current("barrier")
-    handle = _process_sets.handle(process_set, "barrier")
-    backend.barrier(handle)
 
 
 def save_checkpoint(path: str, model: Any, optimizer: Any = None, **extras: Any) -> None:

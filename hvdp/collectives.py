@@ -1,20 +1,26 @@
-"""Collectives on any value the facade accepts: framework tensors, NumPy arrays and Python numbers.
+"""hvdp's collectives (``hvdp.allreduce``, ``allgather``, ``broadcast``, ``broadcast_object``,
+``allgather_object``, ``barrier``) on any value the facade accepts: framework tensors, NumPy
+arrays and Python numbers.
 
 A Python number travels as a one-element array and comes back as a number; a
 shape or dtype mismatch between ranks (Horovod's "Mismatched ..." error) becomes a
-:class:`~hvdp.errors.TensorMismatchError` naming what every rank passed. The facade
-(:mod:`hvdp`) validates the arguments first; the backend runs the collective.
+:class:`~hvdp.errors.TensorMismatchError` naming what every rank passed. Each public
+function validates its arguments, then the backend runs the collective; :mod:`hvdp`
+exports them.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 
+from hvdp import _framework
+from hvdp import arguments as _args
 from hvdp import process_sets as _process_sets
 from hvdp.errors import TensorMismatchError
+from hvdp.process_sets import ProcessSet
 
 
 def describe(value: Any) -> str:
@@ -61,7 +67,7 @@ def is_python_number(value: Any) -> bool:
     return isinstance(value, numbers.Number) and not isinstance(value, np.generic)
 
 
-def allreduce(backend: Any, value: Any, op: str, name: Optional[str], wire: Optional[str], handle: Any,
+def reduce_value(backend: Any, value: Any, op: str, name: Optional[str], wire: Optional[str], handle: Any,
               process_set: Any) -> Any:
     """``backend.allreduce`` on ``value``; a number comes back a number (a float for ``"average"``)."""
     if is_python_number(value):
@@ -75,7 +81,7 @@ def allreduce(backend: Any, value: Any, op: str, name: Optional[str], wire: Opti
     return run("allreduce", backend, value, name, lambda: backend.allreduce(value, op, wire, handle), process_set)
 
 
-def allgather(backend: Any, value: Any, name: Optional[str], wire: Optional[str], handle: Any,
+def gather_value(backend: Any, value: Any, name: Optional[str], wire: Optional[str], handle: Any,
               process_set: Any) -> Any:
     """``backend.allgather`` on ``value``; a number gives the list of every rank's number."""
     if is_python_number(value):
@@ -85,7 +91,7 @@ def allgather(backend: Any, value: Any, name: Optional[str], wire: Optional[str]
     return run("allgather", backend, value, name, lambda: backend.allgather(value, wire, handle), process_set)
 
 
-def broadcast(backend: Any, value: Any, root: int, name: Optional[str], wire: Optional[str], handle: Any,
+def broadcast_value(backend: Any, value: Any, root: int, name: Optional[str], wire: Optional[str], handle: Any,
               process_set: Any) -> Any:
     """``backend.broadcast`` of ``value`` from the job rank ``root``; a number comes back of its own type."""
     if is_python_number(value):
@@ -95,3 +101,93 @@ def broadcast(backend: Any, value: Any, root: int, name: Optional[str], wire: Op
         return type(value)(result)
     return run("broadcast", backend, value, name, lambda: backend.broadcast(value, root, wire, handle),
                process_set)
+
+
+def allreduce(value: Any, op: str = "average", name: Optional[str] = None, *,
+              process_set: Optional[ProcessSet] = None) -> Any:
+    """Reduce ``value`` across all processes (or a process set) and return the result to every one.
+
+    Args:
+        value: a tensor of the chosen framework, a NumPy array or a Python number;
+            the result is of the same kind (a number comes back as a float for
+            ``"average"``).
+        op: ``"average"``, ``"sum"`` or ``"adasum"``.
+        name: a name for the collective, the same on every rank (optional).
+        process_set: reduce only among the members of this :class:`ProcessSet`
+            (the same holds for every collective below).
+
+    Raises:
+        TensorMismatchError: ranks passed different shapes or dtypes.
+
+    Example:
+        >>> accuracy = hvdp.allreduce(correct, op="sum") / hvdp.allreduce(total, op="sum")  # doctest: +SKIP
+    """
+    backend = _framework.current("allreduce")
+    handle = _process_sets.handle(process_set, "allreduce")
+    _args.check_op(op, backend, process_set)
+    wire = _process_sets.collective_name("allreduce", name, process_set)
+    return reduce_value(backend, value, op, name, wire, handle, process_set)
+
+
+def allgather(value: Any, name: Optional[str] = None, *, process_set: Optional[ProcessSet] = None) -> Any:
+    """Concatenate every rank's ``value`` along the first dimension, in rank order.
+
+    Ranks may pass different first dimensions; a Python number gives a list
+    of every rank's number.
+
+    Example:
+        >>> losses = hvdp.allgather(torch.tensor([loss]))  # doctest: +SKIP
+    """
+    backend = _framework.current("allgather")
+    handle = _process_sets.handle(process_set, "allgather")
+    wire = _process_sets.collective_name("allgather", name, process_set)
+    return gather_value(backend, value, name, wire, handle, process_set)
+
+
+def broadcast(value: Any, root_rank: int = 0, name: Optional[str] = None, *,
+              process_set: Optional[ProcessSet] = None) -> Any:
+    """``root_rank``'s ``value`` on every rank (same kind as given).
+
+    With ``process_set``, ``root_rank`` counts inside the set (0 is its first member).
+
+    Example:
+        >>> seed = hvdp.broadcast(np.array([seed]), root_rank=0)  # doctest: +SKIP
+    """
+    backend = _framework.current("broadcast")
+    handle = _process_sets.handle(process_set, "broadcast")
+    root = _args.check_root(root_rank, "broadcast", process_set)
+    wire = _process_sets.collective_name("broadcast", name, process_set)
+    return broadcast_value(backend, value, root, name, wire, handle, process_set)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, *, process_set: Optional[ProcessSet] = None) -> Any:
+    """``root_rank``'s picklable Python object, on every rank (of ``process_set``).
+
+    Example:
+        >>> config = hvdp.broadcast_object(config if hvdp.rank() == 0 else None)  # doctest: +SKIP
+    """
+    backend = _framework.current("broadcast_object")
+    handle = _process_sets.handle(process_set, "broadcast_object")
+    return backend.broadcast_object(obj, _args.check_root(root_rank, "broadcast_object", process_set), handle)
+
+
+def allgather_object(obj: Any, *, process_set: Optional[ProcessSet] = None) -> List[Any]:
+    """Every rank's picklable Python object, as a list in rank order (of ``process_set``).
+
+    Example:
+        >>> hosts = hvdp.allgather_object(socket.gethostname())  # doctest: +SKIP
+    """
+    backend = _framework.current("allgather_object")
+    handle = _process_sets.handle(process_set, "allgather_object")
+    return backend.allgather_object(obj, handle)
+
+
+def barrier(*, process_set: Optional[ProcessSet] = None) -> None:
+    """Return once every rank (of ``process_set``) has reached this call.
+
+    Example:
+        >>> hvdp.barrier()  # doctest: +SKIP
+    """
+    backend = _framework.current("barrier")
+    handle = _process_sets.handle(process_set, "barrier")
+    backend.barrier(handle)
