@@ -180,6 +180,11 @@ def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) ->
         if stop.is_set():
             signum = job.received[0]
             name = signal.Signals(signum).name
+            known = watcher.cause(before=time.time()) if job.elastic is None else None
+            if known is not None:  # a rank had failed before the signal (e.g. Compose stops all on a worker's exit)
+                rank, why, _ = known
+                terminal.line("stderr", f"hvdp: the job failed: rank {rank} {why}; then hvdp run was stopped by "
+                                        f"{name}.\n".encode())
             stopped = stop_tree(job.grace_s, keep=[process.pid], urgent=urgent, remote=job.remote)
             process.wait()
             reader.join(timeout=2)

@@ -80,8 +80,9 @@ class JobWatcher:
         or container is paused, or cut off from the network."""
         self.silences.append((last, rank, host, seconds))
 
-    def cause(self) -> Optional[Tuple[int, str, Optional[Failure]]]:
-        """The first failure of the job by its records: (rank, what happened, its record); None if none.
+    def cause(self, before: Optional[float] = None) -> Optional[Tuple[int, str, Optional[Failure]]]:
+        """The first failure of the job by its records: (rank, what happened, its record); None if none
+        (with ``before``: none of those that happened before that time).
 
         An exception that only says another rank failed first (Horovod shut down), a rank
         its launcher stopped, and the exit of a rank whose exception was recorded are not causes.
@@ -102,6 +103,8 @@ class JobWatcher:
             events.append((last, rank, f"{_on(host)}went silent: nothing from it, not even its heartbeat, for "
                                        f"{seconds:.0f} s (its host or container paused, or cut off from the "
                                        "network)", None))
+        if before is not None:
+            events = [event for event in events if event[0] < before]
         if not events:
             return None
         _, rank, why, failure = min(events, key=lambda event: event[0])

@@ -131,6 +131,11 @@ class Project:
     def container(self, service: str) -> str:
         return f"{self.name}_{service}_1"
 
+    def logs(self, service: str) -> str:
+        """The whole output of ``service``'s container (``up`` stops streaming it when it aborts)."""
+        out = podman("logs", self.container(service), check=False)
+        return out.stdout + out.stderr
+
     def network(self) -> str:
         return f"{self.name}_cluster"
 

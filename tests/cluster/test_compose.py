@@ -158,10 +158,13 @@ def run_fault(project: pm.Project, fault: str):
     hit = time.monotonic()
     code = project.wait(bound + 120)
     ended = time.monotonic() - hit
-    output = project.output()
+    # The launcher's own log too: `up` stops all containers when worker2's exits, and may stop streaming
+    # the launcher's last lines (measured: 1 of 2 kills).
+    output = project.output() + "\n" + project.logs("launcher")
     if fault == "pause":
         pm.podman("unpause", project.container("worker2"), check=False)
-    failed = [line for line in output.splitlines() if "hvdp: the job failed" in line or "hvdp run: " in line]
+    failed = [line for line in output.splitlines() if "hvdp: the job failed" in line] or \
+        [line for line in output.splitlines() if "hvdp run: " in line]
     print(f"\n[fault] {fault}: exit {code} {ended:.1f} s after the fault\n" + "\n".join(failed))
     return code, ended, (failed or [""])[-1], output
 
