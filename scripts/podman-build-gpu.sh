@@ -9,8 +9,8 @@
 # 1. Needs what scripts/podman-build.sh sets up (run it once first): podman with its
 #    containers.conf, and the base image localhost/hvdp-base:bookworm-python3.11-dev.
 # 2. pip in the build reads PyPI only (PIP_INDEX_URL, if set, instead), with this machine's CA
-#    bundle mounted read-only: a local wheel directory or index may hold a CPU build of torch, which
-#    `torch==2.13.0` would take (2.13.0+cpu matches it and sorts above it).
+#    bundle, both in a read-only build volume: a local wheel directory or index may hold a CPU build
+#    of torch, which `torch==2.13.0` would take (2.13.0+cpu matches it and sorts above it).
 # 3. Mounts `hvdp build`'s wheel cache (~/.cache/hvdp/wheels) where the image's build looks, so
 #    a GPU wheel built here for the same cache key (scripts/gpu-build-check.sh builds one: Horovod,
 #    patches, Python 3.11, torch 2.13.0, NCCL, Open MPI, g++) is installed instead of compiled
@@ -38,9 +38,12 @@ if ! command -v podman >/dev/null 2>&1 || [ ! -f "${CONTAINERS_CONF}" ] || ! pod
   exit 1
 fi
 
-# pip: PyPI and the CA bundle.
-pip_conf="${state}/pip-gpu.conf"
-volumes=(--volume "${pip_conf}:/etc/pip.conf:ro")
+# pip: PyPI and this machine's CA bundle, in one folder mounted read-only where pip looks for its
+# site configuration (/etc/xdg/pip): the bundle is not mounted over the base's own, which a base
+# without ca-certificates would install there.
+pip_dir="${state}/pip-gpu"
+mkdir -p "${pip_dir}"
+volumes=(--volume "${pip_dir}:/etc/xdg/pip:ro")
 index=${PIP_INDEX_URL:-https://pypi.org/simple}
 cert=${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || true)}
 {
@@ -48,19 +51,17 @@ cert=${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || true)}
   echo "index-url = ${index}"
   echo "timeout = ${PIP_DEFAULT_TIMEOUT:-180}"
   if [[ ${cert} == /* && -f ${cert} ]]; then
-    echo "cert = ${cert}"
+    cp "${cert}" "${pip_dir}/ca.crt"
+    echo "cert = /etc/xdg/pip/ca.crt"
   fi
-} >"${pip_conf}"
-if [[ ${cert} == /* && -f ${cert} ]]; then
-  volumes+=(--volume "${cert}:${cert}:ro")
-fi
+} >"${pip_dir}/pip.conf"
 
 # Horovod wheels that `hvdp build` cached on this machine (a build volume: no wheel enters a layer).
 wheels="${HVDP_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME}/.cache}/hvdp}/wheels"
 mkdir -p "${wheels}"
 volumes+=(--volume "${wheels}:/var/cache/hvdp/wheels")
 
-log "building ${tag} from ${base} with CUDA from PyPI's wheels (index ${index})"
+log "building ${tag} with CUDA from PyPI's wheels (index ${index})"
 started=$(date +%s)
 podman build --format docker --network host "${volumes[@]}" \
   --build-arg "BASE_IMAGE=${base}" --build-arg CUDA_FROM=wheels --build-arg CUDA_CC_LIST= \
