@@ -102,6 +102,9 @@ def build_inputs(options: BuildOptions, frameworks: Dict[str, str]) -> Dict[str,
         "xla": options.xla,
         "compiler": first_line([cxx, "--version"]) if cxx else None,
         **({"gpu_patches": patches_digest(GPU_PATCHES)} if options.gpu else {}),
+        # GPU architectures compiled for (every one nvcc lists when unset): a wheel for one must not serve another.
+        **({"cuda_cc_list": os.environ["HOROVOD_BUILD_CUDA_CC_LIST"]}
+           if options.gpu and os.environ.get("HOROVOD_BUILD_CUDA_CC_LIST") else {}),
     }
 
 

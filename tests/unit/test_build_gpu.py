@@ -135,6 +135,19 @@ def test_gpu_patches_enter_the_cache_key_of_gpu_builds_only(monkeypatch):
     assert build.cache_key(build.build_inputs(build.BuildOptions(gpu=True), frameworks)) != build.cache_key(gpu)
 
 
+def test_the_gpu_architectures_enter_the_cache_key_of_gpu_builds_only(monkeypatch):
+    frameworks = {"torch": "2.13.0+cu130"}
+    monkeypatch.delenv("HOROVOD_BUILD_CUDA_CC_LIST", raising=False)
+    every = build.cache_key(build.build_inputs(build.BuildOptions(gpu=True), frameworks))
+    cpu = build.cache_key(build.build_inputs(build.BuildOptions(), frameworks))
+    monkeypatch.setenv("HOROVOD_BUILD_CUDA_CC_LIST", "90")
+    hopper = build.cache_key(build.build_inputs(build.BuildOptions(gpu=True), frameworks))
+    monkeypatch.setenv("HOROVOD_BUILD_CUDA_CC_LIST", "80")
+    ampere = build.cache_key(build.build_inputs(build.BuildOptions(gpu=True), frameworks))
+    assert len({every, hopper, ampere}) == 3  # a wheel for sm_90 is not reused for sm_80, nor for all
+    assert build.cache_key(build.build_inputs(build.BuildOptions(), frameworks)) == cpu  # CPU keys unchanged
+
+
 def test_doctor_says_plainly_that_no_gpu_is_visible():
     facts = {"gloo": True, "mpi": False, "nccl": 22907, "cuda": True, "gpus": 0}
     report = doctor.Report(versions={"horovod": "0.28.1"}, built={"torch": facts}, usable=["torch"],
