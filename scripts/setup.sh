@@ -10,7 +10,8 @@ source scripts/apt-install.sh  # the working directory is the repository root
 log() { printf '[setup] %s\n' "$*"; }
 
 # 1. Debian packages: Open MPI (runtime and headers), cmake, a C++ compiler; for the multi-host
-#    and Slurm tests (tests/cluster/), sshd and ssh, ip for network namespaces, Slurm and munge.
+#    and Slurm tests (tests/cluster/), sshd and ssh, ip for network namespaces, Slurm and munge;
+#    tmux for the test that reads what a terminal shows (tests/parallel/test_output.py).
 need=()
 { command -v mpirun && command -v mpicxx; } >/dev/null 2>&1 || need+=(openmpi-bin libopenmpi-dev)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
@@ -19,6 +20,7 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && command -v sbatch; } >/dev/null 2>&1 || need+=(slurm-wlm)
 { [ -x /usr/sbin/munged ] && [ -x /usr/sbin/mungekey ]; } >/dev/null 2>&1 || need+=(munge)
+command -v tmux >/dev/null 2>&1 || need+=(tmux)
 apt_install "${need[@]}"
 
 # 2. The virtual environment, at .venv/ in the repository root.
