@@ -33,6 +33,7 @@ from hvdp.launch.stop import (
     GRACE_S,
     JOB_ID_VAR,
     RemoteStop,
+    Stopped,
     _and,
     _counted,
     become_subreaper,
@@ -79,7 +80,8 @@ class Job:
     output: Optional[Output] = None
     #: Where :func:`supervise` wrote; the last lines about the job go there too (on a line of their own).
     terminal: Optional[Terminal] = None
-    #: A rank silent this long (no output, no heartbeat: paused, or cut off) ends the job; 0: never.
+    #: A rank silent this long (no output, no heartbeat: paused, or cut off) ends the job; 0: never
+    #: (elastic jobs: Horovod's driver replaces a lost worker).
     silence_s: float = 0.0
 
 
@@ -163,20 +165,20 @@ def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) ->
 
             elastic.say = say
             threading.Thread(target=elastic.remind, args=(stop,), daemon=True).start()
-        silenced = False
+        def end_everything() -> Stopped:
+            stopped = stop_tree(job.grace_s, keep=[process.pid], urgent=urgent, remote=job.remote)
+            process.wait()
+            reader.join(timeout=2)
+            return stopped
+
         while process.poll() is None and not stop.wait(0.2):
             reap_orphans(keep=[process.pid])
             quiet = relay.silent(job.silence_s) if relay is not None and job.silence_s else []
-            if quiet and job.elastic is None:  # nothing else would end the job before the ranks' timeouts
+            if quiet:  # nothing else would end the job before the ranks' own timeouts
                 for rank, host, last in quiet:
                     watcher.silent(rank, host, last, time.time() - last)
-                silenced = True
-                break
-        if silenced:
-            stop_tree(job.grace_s, keep=[process.pid], urgent=urgent, remote=job.remote)
-            process.wait()
-            reader.join(timeout=2)
-            return 1, watcher
+                end_everything()
+                return 1, watcher
         if stop.is_set():
             signum = job.received[0]
             name = signal.Signals(signum).name
@@ -185,9 +187,7 @@ def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) ->
                 rank, why, _ = known
                 terminal.line("stderr", f"hvdp: the job failed: rank {rank} {why}; then hvdp run was stopped by "
                                         f"{name}.\n".encode())
-            stopped = stop_tree(job.grace_s, keep=[process.pid], urgent=urgent, remote=job.remote)
-            process.wait()
-            reader.join(timeout=2)
+            stopped = end_everything()
             if relay is not None:
                 relay.wait(2)
             killed = f"; SIGKILL for {_and(_counted(stopped.killed))}" if stopped.killed else ""
