@@ -67,9 +67,38 @@ def is_python_number(value: Any) -> bool:
     return isinstance(value, numbers.Number) and not isinstance(value, np.generic)
 
 
+def check_out(value: Any, out: Any) -> None:
+    """Refuse an ``out=`` that cannot hold ``value``'s reduction (kind, shape, dtype, memory), naming the fix."""
+    if is_python_number(value):
+        raise TypeError(f"hvdp.allreduce(out=...) takes a tensor or array value; {value!r} is a Python number, "
+                        f"which comes back as a number. Fix: drop out=.")
+    if isinstance(out, np.ndarray) != isinstance(value, (np.ndarray, np.generic)):
+        raise TypeError(f"hvdp.allreduce: out= must be of value's kind, got value {type(value).__name__} and out "
+                        f"{type(out).__name__}. Fix: allocate out like value (np.empty_like, torch.empty_like, "
+                        f"a tf.Variable), or pass value itself to reduce in place.")
+    if describe(out) != describe(np.asarray(value) if isinstance(value, np.generic) else value):
+        raise ValueError(f"hvdp.allreduce: out= is {describe(out)} but value is {describe(value)}; out must have "
+                         f"value's dtype and shape. Fix: allocate it once with empty_like(value).")
+    if isinstance(out, np.ndarray) and not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("hvdp.allreduce: out= must be a C-contiguous, writeable NumPy array. "
+                         "Fix: allocate it with np.empty_like(value).")
+    if hasattr(out, "is_contiguous") and not out.is_contiguous():
+        raise ValueError("hvdp.allreduce: out= must be a contiguous tensor. Fix: allocate it with "
+                         "torch.empty_like(value), or pass value.contiguous().")
+
+
 def reduce_value(backend: Any, value: Any, op: str, name: Optional[str], wire: Optional[str], handle: Any,
-              process_set: Any) -> Any:
-    """``backend.allreduce`` on ``value``; a number comes back a number (a float for ``"average"``)."""
+              process_set: Any, out: Any = None) -> Any:
+    """``backend.allreduce`` on ``value``; a number comes back a number (a float for ``"average"``).
+
+    With ``out``, the result is written into it, and it is returned.
+    """
+    if out is not None:
+        check_out(value, out)
+        return run("allreduce", backend, value, name,
+                   lambda: backend.allreduce(np.asarray(value) if isinstance(value, np.generic) else value,
+                                             op, wire, handle, out),
+                   process_set)
     if is_python_number(value):
         as_float = op == "average" or isinstance(value, float)
         array = number_as_array(value, as_float)
@@ -104,7 +133,7 @@ def broadcast_value(backend: Any, value: Any, root: int, name: Optional[str], wi
 
 
 def allreduce(value: Any, op: str = "average", name: Optional[str] = None, *,
-              process_set: Optional[ProcessSet] = None) -> Any:
+              process_set: Optional[ProcessSet] = None, out: Any = None) -> Any:
     """Reduce ``value`` across all processes (or a process set) and return the result to every one.
 
     Args:
@@ -115,18 +144,25 @@ def allreduce(value: Any, op: str = "average", name: Optional[str] = None, *,
         name: a name for the collective, the same on every rank (optional).
         process_set: reduce only among the members of this :class:`ProcessSet`
             (the same holds for every collective below).
+        out: where to write the result, returned instead of a new tensor: a tensor
+            (torch), variable (TensorFlow) or array of ``value``'s kind, dtype and
+            shape, or ``value`` itself to reduce in place. On torch it saves the
+            result's allocation: for large tensors reused call after call (the
+            memory of a 64 MB result is faulted in and zeroed anew each call).
 
     Raises:
         TensorMismatchError: ranks passed different shapes or dtypes.
+        TypeError, ValueError: ``out`` cannot hold the result (the message says why).
 
     Example:
         >>> accuracy = hvdp.allreduce(correct, op="sum") / hvdp.allreduce(total, op="sum")  # doctest: +SKIP
+        >>> hvdp.allreduce(buffer, op="sum", out=buffer)  # in place  # doctest: +SKIP
     """
     backend = _framework.current("allreduce")
     handle = _process_sets.handle(process_set, "allreduce")
     _args.check_op(op, backend, process_set)
     wire = _process_sets.collective_name("allreduce", name, process_set)
-    return reduce_value(backend, value, op, name, wire, handle, process_set)
+    return reduce_value(backend, value, op, name, wire, handle, process_set, out)
 
 
 def allgather(value: Any, name: Optional[str] = None, *, process_set: Optional[ProcessSet] = None) -> Any:

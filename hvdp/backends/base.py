@@ -103,8 +103,8 @@ class Backend(Protocol):
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
         """Overwrite parameters (and optimizer state) with those of ``root_rank``."""
 
-    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
-        """Reduce a framework tensor or NumPy array; return the same kind."""
+    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any, out: Any = None) -> Any:
+        """Reduce a framework tensor or NumPy array; return the same kind (``out``, when given, holds it)."""
 
     def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
         """Concatenate every rank's tensor or array along the first dimension."""
@@ -148,6 +148,7 @@ class HorovodJob:
     """
 
     _hvd: Any
+    name: str
 
     def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
         handles = [self._hvd.ProcessSet(ranks) for ranks in process_sets]
@@ -221,10 +222,18 @@ class HorovodJob:
         """``result`` as the kind of value the caller passed (a NumPy array when ``as_numpy``)."""
         raise NotImplementedError
 
-    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
+    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any, out: Any = None) -> Any:
         tensor, as_numpy = self._to_tensor(value, "allreduce")
-        return self._from_tensor(self._hvd.allreduce(tensor, op=self._op(op), name=name,
-                                                     process_set=self._set(process_set)), as_numpy)
+        result = self._from_tensor(self._hvd.allreduce(tensor, op=self._op(op), name=name,
+                                                       process_set=self._set(process_set)), as_numpy)
+        return result if out is None else self._write_out(result, out)
+
+    def _write_out(self, result: Any, out: Any) -> Any:
+        """``result`` written into ``out`` (a NumPy array here; backends add their own kinds); ``out``."""
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"allreduce on {self.name} writes out= into a NumPy array, got {type(out).__name__}.")
+        np.copyto(out, np.asarray(result))
+        return out
 
     def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = self._to_tensor(value, "allgather")

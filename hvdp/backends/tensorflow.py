@@ -156,6 +156,18 @@ class Backend(HorovodJob):
     def _from_tensor(self, result: Any, as_numpy: bool) -> Any:
         return result.numpy() if as_numpy else result
 
+    def _write_out(self, result: Any, out: Any) -> Any:
+        # TensorFlow tensors are immutable: out= is a variable (assigned) or a NumPy array (copied into).
+        if isinstance(out, np.ndarray) or not hasattr(out, "assign"):
+            if isinstance(out, tf.Tensor):
+                raise TypeError(
+                    "allreduce on tensorflow cannot write into a tf.Tensor (TensorFlow tensors are immutable). "
+                    "Fix: pass a tf.Variable (or a NumPy array) as out=, or drop out= and use the result."
+                )
+            return super()._write_out(result, out)
+        out.assign(result)
+        return out
+
     def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
         return list(hvd.allgather_object(obj, name="hvdp.allgather_object", process_set=self._set(process_set)))
 

@@ -8,6 +8,7 @@ the torch Keras backend are wrapped by :mod:`hvdp.keras` with torch collectives.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -55,11 +56,44 @@ def _wait(handle: Any) -> None:
         return
 
 
+def _find_wake() -> Callable[[], None]:
+    """The early wake of Horovod's background loop (:data:`hvdp.horovod_build.patches.EARLY_WAKE`).
+
+    Called once everything a caller will wait for is enqueued (a step's gradients, a
+    blocking collective): the loop starts its next round now instead of at the end
+    of HOROVOD_CYCLE_TIME. A no-op with ``HVDP_EARLY_WAKE=0`` or a build without it.
+    """
+    wake = None if os.environ.get("HVDP_EARLY_WAKE") == "0" else \
+        getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_wake_loop", None)
+    if wake is None:
+        return lambda: None
+    wake.argtypes, wake.restype = [], None
+    return wake
+
+
+_wake = _find_wake()
+
+
+def _complete(handle: Any) -> Any:
+    """The result of the collective of ``handle``, enqueued by a caller that now blocks for it.
+
+    Nothing else is coming from this caller: wake Horovod's loop, then wait with :func:`_wait`.
+    """
+    _wake()
+    _wait(handle)
+    return hvd.synchronize(handle)
+
+
 def _sleeping_synchronize(optimizer: Any) -> Any:
-    """``optimizer.synchronize`` that first waits for its pending gradient allreduces with :func:`_wait`."""
+    """``optimizer.synchronize`` that wakes Horovod's loop, then waits for the gradient allreduces with :func:`_wait`.
+
+    By ``step()`` (which calls it) backward has enqueued every gradient: the wake
+    saves the rest of the cycle the last ones would otherwise wait out.
+    """
     synchronize = optimizer.synchronize
 
     def wait_then_synchronize() -> Any:
+        _wake()
         for handle, _ in list(optimizer._handles.values()):
             if handle is not None and not callable(handle):
                 _wait(handle)
@@ -285,14 +319,35 @@ class Backend(HorovodJob):
     def _from_tensor(self, result: Any, as_numpy: bool) -> Any:
         return result.detach().numpy() if as_numpy else result
 
-    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
+    def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any, out: Any = None) -> Any:
         tensor, as_numpy = self._to_tensor(value, "allreduce")
+        horovod_op, horovod_set = self._op(op), self._set(process_set)
+        if out is not None:  # in place in out: no result tensor to allocate, fault in and free per call
+            target = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
+            with torch.no_grad():
+                if target.data_ptr() != tensor.data_ptr():
+                    target.copy_(tensor)
+                _complete(hvd.allreduce_async_(target, op=horovod_op, name=name, process_set=horovod_set))
+            return out
         if tensor.requires_grad and torch.is_grad_enabled():  # differentiable: Horovod's autograd op
-            return self._from_tensor(hvd.allreduce(tensor, op=self._op(op), name=name,
-                                                   process_set=self._set(process_set)), as_numpy)
-        handle = hvd.allreduce_async(tensor, op=self._op(op), name=name, process_set=self._set(process_set))
-        _wait(handle)
-        return self._from_tensor(hvd.synchronize(handle), as_numpy)
+            return self._from_tensor(hvd.allreduce(tensor, op=horovod_op, name=name, process_set=horovod_set),
+                                     as_numpy)
+        return self._from_tensor(_complete(hvd.allreduce_async(tensor, op=horovod_op, name=name,
+                                                               process_set=horovod_set)), as_numpy)
+
+    def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
+        tensor, as_numpy = self._to_tensor(value, "allgather")
+        if tensor.requires_grad and torch.is_grad_enabled():
+            return super().allgather(value, name, process_set)
+        return self._from_tensor(_complete(hvd.allgather_async(tensor, name=name, process_set=self._set(process_set))),
+                                 as_numpy)
+
+    def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
+        tensor, as_numpy = self._to_tensor(value, "broadcast")
+        if tensor.requires_grad and torch.is_grad_enabled():
+            return super().broadcast(value, root_rank, name, process_set)
+        return self._from_tensor(_complete(hvd.broadcast_async(tensor, root_rank, name=name,
+                                                               process_set=self._set(process_set))), as_numpy)
 
     def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
         # Horovod 0.28.1's torch allgather_object takes no process set: the same steps, with one.

@@ -50,6 +50,7 @@ class Contender:
     model: str = "cnn"
     task: str = "train"
     env: Dict[str, str] = field(default_factory=dict)  # set as if by the user (overrides hvdp's defaults)
+    form: str = "new"  # allreduce task, hvdp: "new" (a result tensor per call) or "out" (out=, in place)
 
 
 @dataclass
@@ -134,6 +135,11 @@ def plan(settings: Settings) -> List[Group]:
         if "overhead" in sections:
             people.append(Contender(f"horovod (its defaults) {tag}", "horovod", framework, np_, controller,
                                     "threads", model))
+        # The early wake on/off (Horovod's loop woken once a step's gradients are enqueued), on the models
+        # whose steps are shortest, where a cycle's wait weighs most.
+        if "overhead" in sections and np_ == 2 and controller == "gloo" and model in ("cnn", "mlp"):
+            people.append(Contender(f"hvdp without early wake {tag}", "hvdp", framework, np_, controller, "hvdp",
+                                    model, env={"HVDP_EARLY_WAKE": "0"}))
         if want_native:
             native = SPECS[framework].bench_native
             people.append(Contender(f"{native} {tag}", native, framework, np_, controller, "threads", model))
@@ -158,9 +164,13 @@ def plan(settings: Settings) -> List[Group]:
             Contender(f"hvdp np=2 torch/{model}", "hvdp", "torch", 2, "gloo", "one-thread", model),
         ]))
     if "allreduce" in sections:
-        people = [Contender("hvdp.allreduce (gloo)", "hvdp", np=2, controller="gloo", task="allreduce")]
+        people = [Contender("hvdp.allreduce (gloo)", "hvdp", np=2, controller="gloo", task="allreduce"),
+                  Contender("hvdp.allreduce out= (gloo)", "hvdp", np=2, controller="gloo", task="allreduce",
+                            form="out")]
         if not quick:
             people += [Contender("hvdp.allreduce (mpi)", "hvdp", np=2, controller="mpi", task="allreduce"),
+                       Contender("hvdp.allreduce out= (mpi)", "hvdp", np=2, controller="mpi", task="allreduce",
+                                 form="out"),
                        Contender("Horovod allreduce_ in place (gloo)", "horovod", np=2, controller="gloo",
                                  task="allreduce"),
                        Contender("Horovod allreduce_ in place (mpi)", "horovod", np=2, controller="mpi",

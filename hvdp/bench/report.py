@@ -71,11 +71,15 @@ def summarize(groups: List[Group], settings: Settings) -> dict:
 
 
 def _ratios(group: Group, contenders: Dict[str, dict]) -> Dict[str, float]:
-    by_role = {(c.impl, c.knobs): contenders[c.label]["step_seconds"] for c in group.contenders}
+    by_role = {(c.impl, c.knobs): contenders[c.label]["step_seconds"] for c in group.contenders if not c.env}
     hvdp_step = by_role.get(("hvdp", "hvdp"))
     out: Dict[str, float] = {}
     if hvdp_step is None:
         return out
+    for c in group.contenders:  # hvdp with a setting changed (an on/off): hvdp's step / that step
+        if c.impl == "hvdp" and c.env:
+            changed = ",".join(f"{var}={value}" for var, value in sorted(c.env.items()))
+            out[f"hvdp/hvdp {changed}"] = ratio(hvdp_step, contenders[c.label]["step_seconds"])
     for (impl, knobs), step in by_role.items():
         if impl == "horovod":
             key = "hvdp/horovod same knobs" if knobs == "hvdp" else "hvdp/horovod defaults"
@@ -142,10 +146,12 @@ def targets(results: dict, settings: Settings) -> List[Target]:
     found.append(Target("hvdp/MultiWorkerMirrored step time, tensorflow/cnn np=2",
                         at("tensorflow/cnn np=2 gloo", "hvdp/mwms"), "<=", 1.0))
     sweep = results.get("allreduce") or {}
-    found.append(Target("hvdp.allreduce algbw at 64 MB / mpi4py, under MPI",
-                        allreduce_ratio(sweep, "hvdp.allreduce (mpi)", "mpi4py Allreduce", 64 << 20), ">=", 0.9))
-    found.append(Target("hvdp.allreduce algbw at 64 MB / torch.distributed, under Gloo",
-                        allreduce_ratio(sweep, "hvdp.allreduce (gloo)", "torch.distributed all_reduce (gloo)",
+    # At 64 MB every contender reduces in place (mpi4py into its receive buffer): hvdp's out= form.
+    found.append(Target("hvdp.allreduce out= algbw at 64 MB / mpi4py, under MPI",
+                        allreduce_ratio(sweep, "hvdp.allreduce out= (mpi)", "mpi4py Allreduce", 64 << 20), ">=",
+                        0.9))
+    found.append(Target("hvdp.allreduce out= algbw at 64 MB / torch.distributed, under Gloo",
+                        allreduce_ratio(sweep, "hvdp.allreduce out= (gloo)", "torch.distributed all_reduce (gloo)",
                                         64 << 20), ">=", 0.9))
     found.append(Target("hvdp.allreduce latency at 4 KB / torch.distributed, under Gloo",
                         allreduce_ratio(sweep, "hvdp.allreduce (gloo)", "torch.distributed all_reduce (gloo)",

@@ -66,7 +66,7 @@ def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str
               "--out", out]
     if contender.task == "allreduce":
         worker = ["--impl", contender.impl, "--sizes", ",".join(map(str, settings.sweep_bytes)),
-                  "--budget", str(settings.allreduce_budget), "--out", out]
+                  "--budget", str(settings.allreduce_budget), "--form", contender.form, "--out", out]
     if contender.task == "breakdown":
         worker = ["--impl", contender.impl, "--sizes", ",".join(map(str, settings.breakdown_bytes)),
                   "--calls", str(settings.breakdown_calls), "--warmup", str(min(settings.warmup, 2)),

@@ -33,8 +33,12 @@ def _write(out: str, record: dict) -> None:
 
 # --- allreduce -------------------------------------------------------------------------------
 
-def _allreduce(impl: str, sizes: List[int], budget: float) -> Tuple[int, int, dict]:
-    """Seconds per allreduce of each size (float32, bytes given), median of timed repetitions."""
+def _allreduce(impl: str, sizes: List[int], budget: float, form: str = "new") -> Tuple[int, int, dict]:
+    """Seconds per allreduce of each size (float32, bytes given), median of timed repetitions.
+
+    hvdp's ``form``: "new" returns a new tensor each call; "out" reduces in place (``out=``), as
+    Horovod's ``allreduce_``, torch.distributed and mpi4py (into its receive buffer) do.
+    """
     import torch
 
     if impl == "hvdp":
@@ -46,6 +50,8 @@ def _allreduce(impl: str, sizes: List[int], budget: float) -> Tuple[int, int, di
         def make(nbytes: int) -> Callable[[], None]:
             tensor = torch.ones(nbytes // 4)
             name = f"bench.{nbytes}"
+            if form == "out":
+                return lambda: hvdp.allreduce(tensor, op="sum", name=name, out=tensor)
             return lambda: hvdp.allreduce(tensor, op="sum", name=name)
 
         sync: Callable[[], None] = hvdp.barrier
@@ -144,6 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sizes", default="4096")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timed allreduces per size")
+    parser.add_argument("--form", default="new", choices=("new", "out"), help="allreduce: hvdp's call form")
     parser.add_argument("--calls", type=int, default=20, help="breakdown: timed calls per size and variant (most)")
     parser.add_argument("--timeline", help="breakdown: where rank 0 writes Horovod's timeline (default: --out's)")
     parser.add_argument("--out", required=True)
@@ -162,7 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             _write(args.out, record)
         return 0  # the job is shut down already
     else:
-        rank, size, by_size = _allreduce(args.impl, [int(s) for s in args.sizes.split(",")], args.budget)
+        rank, size, by_size = _allreduce(args.impl, [int(s) for s in args.sizes.split(",")], args.budget, args.form)
         record = {"rank": rank, "size": size, "seconds": by_size}
     if rank == 0:
         _write(args.out, record)

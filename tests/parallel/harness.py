@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -27,10 +27,11 @@ class Job:
     ranks: List[Dict]
 
 
-def run_job(args: List[str], out_dir: Path, np_: int = 2, timeout: int = TIMEOUT_S) -> Job:
-    """`hvdp run -np N ARGS...`, with HVDP_TEST_OUT=out_dir for the workers' reports."""
+def run_job(args: List[str], out_dir: Path, np_: int = 2, timeout: int = TIMEOUT_S,
+            extra_env: Optional[Dict[str, str]] = None) -> Job:
+    """`hvdp run -np N ARGS...`, with HVDP_TEST_OUT=out_dir for the workers' reports (and ``extra_env``)."""
     env = {**os.environ, "HVDP_TEST_OUT": str(out_dir), "PYTHONUNBUFFERED": "1",
-           "TF_CPP_MIN_LOG_LEVEL": "2"}
+           "TF_CPP_MIN_LOG_LEVEL": "2", **(extra_env or {})}
     env.pop("HVDP_FRAMEWORK", None)
     env.pop("KERAS_BACKEND", None)
     proc = subprocess.Popen([*HVDP, "run", "-np", str(np_), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -80,9 +81,11 @@ def communicate(proc: "subprocess.Popen[str]", timeout: float, what: str) -> str
         raise AssertionError(f"{what} hung for {timeout} s:\n{output[-4000:]}") from None
 
 
-def run_worker(worker: str, controller: str, framework: str, out_dir: Path, np_: int = 2) -> Job:
+def run_worker(worker: str, controller: str, framework: str, out_dir: Path, np_: int = 2,
+               extra_env: Optional[Dict[str, str]] = None) -> Job:
     """Run tests/parallel/workers/WORKER on np_ processes and require every rank's report."""
-    job = run_job([f"--{controller}", "--framework", framework, str(WORKERS / worker)], out_dir, np_)
+    job = run_job([f"--{controller}", "--framework", framework, str(WORKERS / worker)], out_dir, np_,
+                  extra_env=extra_env)
     assert job.returncode == 0, f"{worker} ({controller}, {framework}) exited {job.returncode}:\n{job.output[-6000:]}"
     assert [r["rank"] for r in job.ranks] == list(range(np_)), f"missing rank reports:\n{job.output[-4000:]}"
     return job

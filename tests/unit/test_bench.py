@@ -66,6 +66,10 @@ def test_quick_plan_touches_every_section_and_alternates():
     impls = {c.impl for g in groups for c in g.contenders}
     assert {"hvdp", "horovod", "ddp", "mwms", "mpi4py", "torchdist"} <= impls
     assert any(g.name.startswith("scaling") for g in groups) and any(g.name == "allreduce" for g in groups)
+    torch_cnn = next(g for g in groups if g.name == "torch/cnn np=2 gloo")
+    assert [c.env for c in torch_cnn.contenders if c.impl == "hvdp"] == [{}, {"HVDP_EARLY_WAKE": "0"}]
+    sweep = next(g for g in groups if g.name == "allreduce")
+    assert [c.form for c in sweep.contenders if c.impl == "hvdp"] == ["new", "out"]
     only = bench.plan(bench.make_settings(True, None, None, None, "native"))
     assert all({c.impl for c in g.contenders} <= {"hvdp", "ddp", "mwms"} for g in only)
     full = bench.plan(bench.make_settings(False, None, None, None, None))
@@ -113,15 +117,18 @@ def _fake_results():
     groups = [
         Group("torch/cnn np=2 gloo", [Contender("hvdp", "hvdp"), Contender("same", "horovod"),
                                       Contender("plain", "horovod", knobs="threads"), Contender("ddp", "ddp",
-                                                                                                 knobs="threads")]),
+                                                                                                 knobs="threads"),
+                                      Contender("nowake", "hvdp", env={"HVDP_EARLY_WAKE": "0"})]),
         Group("scaling torch/resnet18", [Contender("n1", "hvdp", np=1, knobs="one-thread", model="resnet18"),
                                          Contender("n2", "hvdp", np=2, knobs="one-thread", model="resnet18")]),
         Group("allreduce", [Contender("hvdp.allreduce (gloo)", "hvdp", task="allreduce"),
-                            Contender("hvdp.allreduce (mpi)", "hvdp", controller="mpi", task="allreduce"),
+                            Contender("hvdp.allreduce out= (gloo)", "hvdp", task="allreduce", form="out"),
+                            Contender("hvdp.allreduce out= (mpi)", "hvdp", controller="mpi", task="allreduce",
+                                      form="out"),
                             Contender("mpi4py Allreduce", "mpi4py", task="allreduce"),
                             Contender("torch.distributed all_reduce (gloo)", "torchdist", task="allreduce")]),
     ]
-    steps = {"hvdp": 0.09, "same": 0.09, "plain": 0.1, "ddp": 0.095, "n1": 0.1, "n2": 0.105}
+    steps = {"hvdp": 0.09, "same": 0.09, "plain": 0.1, "ddp": 0.095, "n1": 0.1, "n2": 0.105, "nowake": 0.1}
     for group in groups:
         for c in group.contenders:
             if c.task == "allreduce":
@@ -138,15 +145,16 @@ def test_summary_ratios_targets_table_and_json():
     results = _fake_results()
     torch_group = results["groups"][0]
     assert torch_group["ratios"] == pytest.approx({"hvdp/horovod same knobs": 1.0, "hvdp/horovod defaults": 0.9,
-                                                   "hvdp/ddp": 0.09 / 0.095})
+                                                   "hvdp/ddp": 0.09 / 0.095, "hvdp/hvdp HVDP_EARLY_WAKE=0": 0.9})
     assert results["scaling"]["efficiency"] == pytest.approx((2 * 32 / 0.105) / (2 * 32 / 0.1))
     sweep = results["allreduce"]["impls"]
     assert sweep["hvdp.allreduce (gloo)"]["algbw_GBps"][-1] == pytest.approx(1.0)
     assert sweep["mpi4py Allreduce"]["busbw_GBps"][-1] == pytest.approx(2.0)
     status = {t["name"]: (t["status"], t["value"]) for t in results["targets"]}
     assert status["hvdp/DDP step time, torch/cnn np=2"][0] == "PASS"
-    assert status["hvdp.allreduce algbw at 64 MB / mpi4py, under MPI"] == ("MISS", pytest.approx(0.5))
-    assert status["hvdp.allreduce algbw at 64 MB / torch.distributed, under Gloo"] == ("MISS", pytest.approx(0.5))
+    assert status["hvdp.allreduce out= algbw at 64 MB / mpi4py, under MPI"] == ("MISS", pytest.approx(0.5))
+    assert status["hvdp.allreduce out= algbw at 64 MB / torch.distributed, under Gloo"] == ("MISS",
+                                                                                          pytest.approx(0.5))
     assert status["hvdp.allreduce latency at 4 KB / torch.distributed, under Gloo"] == ("PASS", pytest.approx(2.0))
     assert results["allreduce"]["bytes"][-1] == 256 << 20
     low, high = sweep["hvdp.allreduce (gloo)"]["spread_seconds"][0]
