@@ -38,6 +38,7 @@ from typing import List, Optional
 
 from hvdp.bench.breakdown import parse_sizes as parse_breakdown_sizes
 from hvdp.bench.plan import (
+    MALLOC_SETTINGS,
     SECTIONS,
     SWEEP_BYTES,
     Contender,
@@ -54,7 +55,7 @@ from hvdp.bench.stats import algbw, busbw, efficiency, median, ratio
 from hvdp.errors import BenchError
 
 __all__ = [
-    "DESCRIPTION", "EPILOG", "JOB_TIMEOUT_S", "SECTIONS", "SWEEP_BYTES", "THREAD_VARS", "BenchError", "Contender",
+    "DESCRIPTION", "EPILOG", "JOB_TIMEOUT_S", "MALLOC_SETTINGS", "SECTIONS", "SWEEP_BYTES", "THREAD_VARS", "BenchError", "Contender",
     "Group", "Settings", "Target", "add_arguments", "algbw", "busbw", "check_writable", "efficiency", "format_table",
     "hvdp_env", "job", "machine", "main", "make_settings", "median", "parse_breakdown_sizes", "parse_sections", "plan",
     "plot", "ratio",

@@ -7,10 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from hvdp import tuning
 from hvdp.backends.registry import SPECS
 from hvdp.errors import BenchError
 
 SECTIONS = ("overhead", "native", "allreduce", "scaling", "breakdown")
+#: The allocator settings hvdp run gives local jobs (:mod:`hvdp.tuning`), given to DDP/MWMS too in the full run.
+MALLOC_SETTINGS = (("MALLOC_MMAP_THRESHOLD_", tuning.MALLOC_MMAP_THRESHOLD),
+                   ("MALLOC_TRIM_THRESHOLD_", tuning.MALLOC_TRIM_THRESHOLD))
 
 
 #: float32 allreduce sizes of the sweep, in bytes: 4 KB to 256 MB, by factors of 4 (--quick stops at 64 MB).
@@ -143,6 +147,9 @@ def plan(settings: Settings) -> List[Group]:
         if want_native:
             native = SPECS[framework].bench_native
             people.append(Contender(f"{native} {tag}", native, framework, np_, controller, "threads", model))
+            if not quick:  # the native contender given hvdp's allocator settings too: the like-for-like ratio
+                people.append(Contender(f"{native} with hvdp's malloc settings {tag}", native, framework, np_,
+                                        controller, "threads", model, env=dict(MALLOC_SETTINGS)))
         return people
 
     frameworks = tuple(SPECS)

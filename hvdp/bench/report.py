@@ -76,10 +76,12 @@ def _ratios(group: Group, contenders: Dict[str, dict]) -> Dict[str, float]:
     out: Dict[str, float] = {}
     if hvdp_step is None:
         return out
-    for c in group.contenders:  # hvdp with a setting changed (an on/off): hvdp's step / that step
-        if c.impl == "hvdp" and c.env:
+    for c in group.contenders:  # a contender with settings changed: hvdp's step / its step
+        if c.impl == "hvdp" and c.env:  # an on/off of hvdp's
             changed = ",".join(f"{var}={value}" for var, value in sorted(c.env.items()))
             out[f"hvdp/hvdp {changed}"] = ratio(hvdp_step, contenders[c.label]["step_seconds"])
+        elif c.impl in ("ddp", "mwms") and c.env:  # the native contender with hvdp's allocator settings
+            out[f"hvdp/{c.impl} same malloc"] = ratio(hvdp_step, contenders[c.label]["step_seconds"])
     for (impl, knobs), step in by_role.items():
         if impl == "horovod":
             key = "hvdp/horovod same knobs" if knobs == "hvdp" else "hvdp/horovod defaults"

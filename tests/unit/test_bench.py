@@ -74,6 +74,8 @@ def test_quick_plan_touches_every_section_and_alternates():
     assert all({c.impl for c in g.contenders} <= {"hvdp", "ddp", "mwms"} for g in only)
     full = bench.plan(bench.make_settings(False, None, None, None, None))
     names = {g.name for g in full}
+    full_cnn = next(g for g in full if g.name == "torch/cnn np=2 gloo")
+    assert [c.env for c in full_cnn.contenders if c.impl == "ddp"] == [{}, dict(bench.MALLOC_SETTINGS)]
     assert {"torch/cnn np=1 mpi", "tensorflow/resnet18 np=2 gloo", "scaling torch/resnet18"} <= names
 
     order = []
@@ -118,7 +120,8 @@ def _fake_results():
         Group("torch/cnn np=2 gloo", [Contender("hvdp", "hvdp"), Contender("same", "horovod"),
                                       Contender("plain", "horovod", knobs="threads"), Contender("ddp", "ddp",
                                                                                                  knobs="threads"),
-                                      Contender("nowake", "hvdp", env={"HVDP_EARLY_WAKE": "0"})]),
+                                      Contender("nowake", "hvdp", env={"HVDP_EARLY_WAKE": "0"}),
+                                      Contender("ddpm", "ddp", knobs="threads", env=dict(bench.MALLOC_SETTINGS))]),
         Group("scaling torch/resnet18", [Contender("n1", "hvdp", np=1, knobs="one-thread", model="resnet18"),
                                          Contender("n2", "hvdp", np=2, knobs="one-thread", model="resnet18")]),
         Group("allreduce", [Contender("hvdp.allreduce (gloo)", "hvdp", task="allreduce"),
@@ -128,7 +131,7 @@ def _fake_results():
                             Contender("mpi4py Allreduce", "mpi4py", task="allreduce"),
                             Contender("torch.distributed all_reduce (gloo)", "torchdist", task="allreduce")]),
     ]
-    steps = {"hvdp": 0.09, "same": 0.09, "plain": 0.1, "ddp": 0.095, "n1": 0.1, "n2": 0.105, "nowake": 0.1}
+    steps = {"hvdp": 0.09, "same": 0.09, "plain": 0.1, "ddp": 0.095, "n1": 0.1, "n2": 0.105, "nowake": 0.1, "ddpm": 0.08}
     for group in groups:
         for c in group.contenders:
             if c.task == "allreduce":
@@ -145,7 +148,8 @@ def test_summary_ratios_targets_table_and_json():
     results = _fake_results()
     torch_group = results["groups"][0]
     assert torch_group["ratios"] == pytest.approx({"hvdp/horovod same knobs": 1.0, "hvdp/horovod defaults": 0.9,
-                                                   "hvdp/ddp": 0.09 / 0.095, "hvdp/hvdp HVDP_EARLY_WAKE=0": 0.9})
+                                                   "hvdp/ddp": 0.09 / 0.095, "hvdp/hvdp HVDP_EARLY_WAKE=0": 0.9,
+                                                   "hvdp/ddp same malloc": 0.09 / 0.08})
     assert results["scaling"]["efficiency"] == pytest.approx((2 * 32 / 0.105) / (2 * 32 / 0.1))
     sweep = results["allreduce"]["impls"]
     assert sweep["hvdp.allreduce (gloo)"]["algbw_GBps"][-1] == pytest.approx(1.0)
