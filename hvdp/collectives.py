@@ -156,7 +156,7 @@ def allreduce(value: Any, op: str = "average", name: Optional[str] = None, *,
 
     Example:
         >>> accuracy = hvdp.allreduce(correct, op="sum") / hvdp.allreduce(total, op="sum")  # doctest: +SKIP
-        >>> hvdp.allreduce(buffer, op="sum", out=buffer)  # in place  # doctest: +SKIP
+        >>> hvdp.allreduce(t, op="sum", out=t)  # in place: no new tensor  # doctest: +SKIP
     """
     backend = _framework.current("allreduce")
     handle = _process_sets.handle(process_set, "allreduce")

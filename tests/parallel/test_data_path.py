@@ -14,8 +14,8 @@ from harness import run_worker
 CYCLE_MS = 200
 SLOW = {"HOROVOD_CYCLE_TIME": str(CYCLE_MS)}
 #: Woken calls take a few ms (tens on loaded cores); unwoken ones wait for the next round.
-WOKEN_MAX_MS = CYCLE_MS / 4
-UNWOKEN_MIN_MS = CYCLE_MS / 2
+WOKEN_MAX_MS = CYCLE_MS * 0.4
+UNWOKEN_MIN_MS = CYCLE_MS * 0.6
 
 
 @pytest.fixture(scope="module", params=[("torch", "gloo"), ("torch", "mpi"), ("tensorflow", "gloo")],
