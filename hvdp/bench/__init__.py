@@ -55,7 +55,8 @@ from hvdp.bench.stats import algbw, busbw, efficiency, median, ratio
 from hvdp.errors import BenchError
 
 __all__ = [
-    "DESCRIPTION", "EPILOG", "JOB_TIMEOUT_S", "MALLOC_SETTINGS", "SECTIONS", "SWEEP_BYTES", "THREAD_VARS", "BenchError", "Contender",
+    "DESCRIPTION", "EPILOG", "JOB_TIMEOUT_S", "MALLOC_SETTINGS", "SECTIONS", "SWEEP_BYTES", "THREAD_VARS",
+    "BenchError", "Contender",
     "Group", "Settings", "Target", "add_arguments", "algbw", "busbw", "check_writable", "efficiency", "format_table",
     "hvdp_env", "job", "machine", "main", "make_settings", "median", "parse_breakdown_sizes", "parse_sections", "plan",
     "plot", "ratio",

@@ -166,10 +166,12 @@ def plan(settings: Settings) -> List[Group]:
             groups.append(Group(f"{framework}/{model} np={np_} {controller}", people))
     if "scaling" in sections:
         model = "cnn" if quick else "resnet18"
-        groups.append(Group(f"scaling torch/{model}", [
-            Contender(f"hvdp np=1 torch/{model}", "hvdp", "torch", 1, "gloo", "one-thread", model),
-            Contender(f"hvdp np=2 torch/{model}", "hvdp", "torch", 2, "gloo", "one-thread", model),
-        ]))
+        people = [Contender(f"hvdp np=1 torch/{model}", "hvdp", "torch", 1, "gloo", "one-thread", model),
+                  Contender(f"hvdp np=2 torch/{model}", "hvdp", "torch", 2, "gloo", "one-thread", model)]
+        if not quick:  # DDP's own 1 -> 2 scaling in the same run: the target compares the two efficiencies
+            people += [Contender(f"ddp np=1 torch/{model}", "ddp", "torch", 1, "gloo", "one-thread", model),
+                       Contender(f"ddp np=2 torch/{model}", "ddp", "torch", 2, "gloo", "one-thread", model)]
+        groups.append(Group(f"scaling torch/{model}", people))
     if "allreduce" in sections:
         people = [Contender("hvdp.allreduce (gloo)", "hvdp", np=2, controller="gloo", task="allreduce"),
                   Contender("hvdp.allreduce out= (gloo)", "hvdp", np=2, controller="gloo", task="allreduce",

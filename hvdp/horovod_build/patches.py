@@ -117,7 +117,9 @@ EARLY_WAKE: Tuple[Patch, ...] = (
 
 #: Gloo's allreduce of one tensor copied the input into the output before reducing the output, even
 #: when they are one buffer (Horovod's in-place ``allreduce_``, ``hvdp.allreduce(out=value)``, a
-#: gradient): a 64 MB copy of a buffer onto itself, about 6 ms of a 57-87 ms call here.
+#: gradient). Measured afterwards: glibc 2.36's memcpy returns at once when source and destination
+#: are the same (64 MB: 0.00 ms; the breakdown's in-place "untimed copy" was 4-5 us), so on this
+#: machine it changes nothing; it spares C libraries whose memcpy copies anyway.
 _GLOO_IN_PLACE = Patch(
     "horovod/common/ops/gloo_operations.cc",
     "    buffer_data = (void*)first_entry.output->data();\n"

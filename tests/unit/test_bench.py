@@ -123,7 +123,9 @@ def _fake_results():
                                       Contender("nowake", "hvdp", env={"HVDP_EARLY_WAKE": "0"}),
                                       Contender("ddpm", "ddp", knobs="threads", env=dict(bench.MALLOC_SETTINGS))]),
         Group("scaling torch/resnet18", [Contender("n1", "hvdp", np=1, knobs="one-thread", model="resnet18"),
-                                         Contender("n2", "hvdp", np=2, knobs="one-thread", model="resnet18")]),
+                                         Contender("n2", "hvdp", np=2, knobs="one-thread", model="resnet18"),
+                                         Contender("d1", "ddp", np=1, knobs="one-thread", model="resnet18"),
+                                         Contender("d2", "ddp", np=2, knobs="one-thread", model="resnet18")]),
         Group("allreduce", [Contender("hvdp.allreduce (gloo)", "hvdp", task="allreduce"),
                             Contender("hvdp.allreduce out= (gloo)", "hvdp", task="allreduce", form="out"),
                             Contender("hvdp.allreduce out= (mpi)", "hvdp", controller="mpi", task="allreduce",
@@ -131,7 +133,8 @@ def _fake_results():
                             Contender("mpi4py Allreduce", "mpi4py", task="allreduce"),
                             Contender("torch.distributed all_reduce (gloo)", "torchdist", task="allreduce")]),
     ]
-    steps = {"hvdp": 0.09, "same": 0.09, "plain": 0.1, "ddp": 0.095, "n1": 0.1, "n2": 0.105, "nowake": 0.1, "ddpm": 0.08}
+    steps = {"hvdp": 0.09, "same": 0.09, "plain": 0.1, "ddp": 0.095, "n1": 0.1, "n2": 0.105,
+             "nowake": 0.1, "ddpm": 0.08, "d1": 0.1, "d2": 0.11}
     for group in groups:
         for c in group.contenders:
             if c.task == "allreduce":
@@ -163,7 +166,9 @@ def test_summary_ratios_targets_table_and_json():
     assert results["allreduce"]["bytes"][-1] == 256 << 20
     low, high = sweep["hvdp.allreduce (gloo)"]["spread_seconds"][0]
     assert low == pytest.approx(0.925 * 4096 / 1e9) and high == pytest.approx(1.075 * 4096 / 1e9)
-    assert status["scaling efficiency 1->2 processes (resnet18)"][0] == "PASS"
+    assert results["scaling"]["ddp"]["efficiency"] == pytest.approx(0.1 / 0.11)
+    assert status["scaling efficiency 1->2 processes (resnet18), hvdp's / DDP's"] == (
+        "PASS", pytest.approx((0.1 / 0.105) / (0.1 / 0.11)))
     assert status["hvdp/MultiWorkerMirrored step time, tensorflow/cnn np=2"] == ("n/a", None)
     table = bench.format_table(results)
     assert "ratio hvdp/horovod defaults" in table and "PASS" in table and "MISS" in table and "64 MB" in table
