@@ -72,11 +72,11 @@ def check_out(value: Any, out: Any) -> None:
     if is_python_number(value):
         raise TypeError(f"hvdp.allreduce(out=...) takes a tensor or array value; {value!r} is a Python number, "
                         f"which comes back as a number. Fix: drop out=.")
-    if isinstance(out, np.ndarray) != isinstance(value, (np.ndarray, np.generic)):
+    if isinstance(out, np.ndarray) != isinstance(value, np.ndarray):
         raise TypeError(f"hvdp.allreduce: out= must be of value's kind, got value {type(value).__name__} and out "
                         f"{type(out).__name__}. Fix: allocate out like value (np.empty_like, torch.empty_like, "
                         f"a tf.Variable), or pass value itself to reduce in place.")
-    if describe(out) != describe(np.asarray(value) if isinstance(value, np.generic) else value):
+    if describe(out) != describe(value):
         raise ValueError(f"hvdp.allreduce: out= is {describe(out)} but value is {describe(value)}; out must have "
                          f"value's dtype and shape. Fix: allocate it once with empty_like(value).")
     if isinstance(out, np.ndarray) and not (out.flags.c_contiguous and out.flags.writeable):
@@ -93,21 +93,18 @@ def reduce_value(backend: Any, value: Any, op: str, name: Optional[str], wire: O
 
     With ``out``, the result is written into it, and it is returned.
     """
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
     if out is not None:
         check_out(value, out)
-        return run("allreduce", backend, value, name,
-                   lambda: backend.allreduce(np.asarray(value) if isinstance(value, np.generic) else value,
-                                             op, wire, handle, out),
-                   process_set)
     if is_python_number(value):
         as_float = op == "average" or isinstance(value, float)
         array = number_as_array(value, as_float)
         result = run("allreduce", backend, value, name, lambda: backend.allreduce(array, op, wire, handle),
                      process_set)[0]
         return float(result) if as_float else int(result)
-    if isinstance(value, np.generic):
-        value = np.asarray(value)
-    return run("allreduce", backend, value, name, lambda: backend.allreduce(value, op, wire, handle), process_set)
+    return run("allreduce", backend, value, name, lambda: backend.allreduce(value, op, wire, handle, out),
+               process_set)
 
 
 def gather_value(backend: Any, value: Any, name: Optional[str], wire: Optional[str], handle: Any,

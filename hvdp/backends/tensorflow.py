@@ -157,13 +157,13 @@ class Backend(HorovodJob):
         return result.numpy() if as_numpy else result
 
     def _write_out(self, result: Any, out: Any) -> Any:
-        # TensorFlow tensors are immutable: out= is a variable (assigned) or a NumPy array (copied into).
+        # TensorFlow tensors are immutable: out= is a variable (assigned) or a NumPy array (the base class).
+        if isinstance(out, tf.Tensor):
+            raise TypeError(
+                "allreduce on tensorflow cannot write into a tf.Tensor (TensorFlow tensors are immutable). "
+                "Fix: pass a tf.Variable (or a NumPy array) as out=, or drop out= and use the result."
+            )
         if isinstance(out, np.ndarray) or not hasattr(out, "assign"):
-            if isinstance(out, tf.Tensor):
-                raise TypeError(
-                    "allreduce on tensorflow cannot write into a tf.Tensor (TensorFlow tensors are immutable). "
-                    "Fix: pass a tf.Variable (or a NumPy array) as out=, or drop out= and use the result."
-                )
             return super()._write_out(result, out)
         out.assign(result)
         return out

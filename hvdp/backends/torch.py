@@ -8,7 +8,6 @@ the torch Keras backend are wrapped by :mod:`hvdp.keras` with torch collectives.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -61,10 +60,10 @@ def _find_wake() -> Callable[[], None]:
 
     Called once everything a caller will wait for is enqueued (a step's gradients, a
     blocking collective): the loop starts its next round now instead of at the end
-    of HOROVOD_CYCLE_TIME. A no-op with ``HVDP_EARLY_WAKE=0`` or a build without it.
+    of HOROVOD_CYCLE_TIME. A no-op with a build without it; ``HVDP_EARLY_WAKE=0`` is
+    read by the build's C side, which then ignores the call.
     """
-    wake = None if os.environ.get("HVDP_EARLY_WAKE") == "0" else \
-        getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_wake_loop", None)
+    wake = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_wake_loop", None)
     if wake is None:
         return lambda: None
     wake.argtypes, wake.restype = [], None
@@ -82,6 +81,11 @@ def _complete(handle: Any) -> Any:
     _wake()
     _wait(handle)
     return hvd.synchronize(handle)
+
+
+def _differentiable(tensor: torch.Tensor) -> bool:
+    """Whether a collective on ``tensor`` must go through Horovod's autograd op (no handle to wait on)."""
+    return tensor.requires_grad and torch.is_grad_enabled()
 
 
 def _sleeping_synchronize(optimizer: Any) -> Any:
@@ -329,7 +333,7 @@ class Backend(HorovodJob):
                     target.copy_(tensor)
                 _complete(hvd.allreduce_async_(target, op=horovod_op, name=name, process_set=horovod_set))
             return out
-        if tensor.requires_grad and torch.is_grad_enabled():  # differentiable: Horovod's autograd op
+        if _differentiable(tensor):
             return self._from_tensor(hvd.allreduce(tensor, op=horovod_op, name=name, process_set=horovod_set),
                                      as_numpy)
         return self._from_tensor(_complete(hvd.allreduce_async(tensor, op=horovod_op, name=name,
@@ -337,14 +341,14 @@ class Backend(HorovodJob):
 
     def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = self._to_tensor(value, "allgather")
-        if tensor.requires_grad and torch.is_grad_enabled():
+        if _differentiable(tensor):
             return super().allgather(value, name, process_set)
         return self._from_tensor(_complete(hvd.allgather_async(tensor, name=name, process_set=self._set(process_set))),
                                  as_numpy)
 
     def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = self._to_tensor(value, "broadcast")
-        if tensor.requires_grad and torch.is_grad_enabled():
+        if _differentiable(tensor):
             return super().broadcast(value, root_rank, name, process_set)
         return self._from_tensor(_complete(hvd.broadcast_async(tensor, root_rank, name=name,
                                                                process_set=self._set(process_set))), as_numpy)
