@@ -122,10 +122,9 @@ def main(argv: List[str]) -> None:
     fd = int(argv[1])
     os.set_inheritable(fd, False)
     install(os.fdopen(fd, "w", buffering=1))
-    from horovod.runner.launch import run_commandline
+    from hvdp.launch import horovodrun
 
-    sys.argv = ["horovodrun", *argv[2:]]
-    run_commandline()
+    horovodrun.main(argv[2:])
 
 
 if __name__ == "__main__":

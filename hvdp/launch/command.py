@@ -139,6 +139,19 @@ def _hosts_arg(hosts: List[Tuple[str, int]]) -> str:
 
 
 
+def in_process(argv: List[str], python: str = sys.executable) -> List[str]:
+    """``argv`` with horovodrun started as ``python -m hvdp.launch.horovodrun``: the same command line,
+    its build checks answered once per Horovod install (:mod:`hvdp.launch.horovodrun`).
+
+    Example:
+        >>> in_process(["/venv/bin/horovodrun", "-np", "2", "--gloo", "python", "t.py"], "python")
+        ['python', '-m', 'hvdp.launch.horovodrun', '-np', '2', '--gloo', 'python', 't.py']
+    """
+    if not argv or os.path.basename(argv[0]) != "horovodrun":
+        return argv
+    return [python, "-m", "hvdp.launch.horovodrun", *argv[1:]]
+
+
 def with_bootstrap(argv: List[str], args: RunArgs, python: str = sys.executable) -> List[str]:
     """``argv`` (from :func:`build_command`) with the user's command started through the rank bootstrap
     (:mod:`hvdp.launch.worker`), which sends each rank's output and failure record to ``hvdp run``.

@@ -10,7 +10,7 @@ from typing import List
 
 from hvdp.launch import supervise
 from hvdp.launch.args import parse_run_args
-from hvdp.launch.command import build_command, horovodrun_path, resolve_hosts, with_bootstrap
+from hvdp.launch.command import build_command, horovodrun_path, in_process, resolve_hosts, with_bootstrap
 from hvdp.launch.elastic import ElasticReporter
 from hvdp.launch.hosts import check_discovery_script, hosts_line, local_addresses
 from hvdp.launch.stop import RemoteStop
@@ -47,7 +47,7 @@ def run(argv: List[str]) -> int:
     job_id = uuid.uuid4().hex
     # The ranks start through the bootstrap that sends their output and failures to hvdp run.
     command = with_bootstrap(command, args)
-    job = supervise.Job(command=command, env=supervise.job_env(env, job_id), mpi=args.controller == "mpi",
+    job = supervise.Job(command=in_process(command), env=supervise.job_env(env, job_id), mpi=args.controller == "mpi",
                         silence_s=0.0 if args.elastic else float(args.stall_timeout))
     hosts, _ = (None, "") if args.elastic else resolve_hosts(args, os.environ)
     listed = [name for name, _ in (found if args.elastic else hosts or [])]

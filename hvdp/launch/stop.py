@@ -98,7 +98,7 @@ def _launcher_name(process: Any) -> Optional[str]:
     for name in ("horovodrun", "mpirun", "orterun", "ssh"):
         if name in words:
             return name
-    if "hvdp.elastic_driver" in " ".join(words):
+    if "hvdp.elastic_driver" in words or "hvdp.launch.horovodrun" in words:
         return "horovodrun"
     return None
 
