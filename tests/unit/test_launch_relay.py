@@ -1,6 +1,7 @@
 """hvdp run's relay without Horovod: a real rank bootstrap (hvdp/launch/worker.py) sending to a real
-listener, the noise filter against TensorFlow's own start-up lines, the display modes, failure records
-and the first-failure rule, and the run parser (help and parsing from one source)."""
+listener, the noise filter against TensorFlow's own start-up lines, the display modes, every line
+whole when ranks write at once (to a file and to a terminal, a progress bar included), failure
+records and the first-failure rule, and the run parser (help and parsing from one source)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -18,7 +20,7 @@ from hvdp import failures
 from hvdp.failures import Failure
 from hvdp.launch import worker
 from hvdp.launch.args import run_parser, split_args
-from hvdp.launch.relay import Display, Relay, Terminal, is_noise
+from hvdp.launch.relay import HOLD_S, Display, RankOutput, Relay, Terminal, is_noise
 from hvdp.launch.watch import JobWatcher
 
 #: As TensorFlow 2.21 printed them at import, on this machine (tmux capture of hvdp run before the relay).
@@ -53,8 +55,6 @@ def display(mode="all", quiet=True, log_dir=None):
 
 def feed(relay_display, rank, stream, *chunks):
     relay = Relay(relay_display, on_line=lambda *a: None, on_failure=lambda f: None, on_exit=lambda *a: None)
-    from hvdp.launch.relay import RankOutput
-
     output = RankOutput(rank, stream, relay_display)
     for chunk in chunks:
         relay._output(rank, output, chunk)
@@ -82,6 +82,156 @@ def test_other_ranks_lines_are_prefixed_once_and_rank0_mode_leaves_them_out(tmp_
     every, out, _ = display(mode="prefixed")
     feed(every, 0, "stdout", b"from rank 0\n")
     assert out.getvalue() == "[0] from rank 0\n"
+
+
+class TTY(Screen):
+    def isatty(self) -> bool:
+        return True
+
+
+def render(text: str) -> list:
+    """The rows a terminal shows for ``text`` (carriage return, newline and erase-line as a terminal does)."""
+    rows, row, column, at = [], [], 0, 0
+    while at < len(text):
+        if text.startswith("\x1b[K", at):
+            del row[column:]
+            at += 3
+            continue
+        char = text[at]
+        if char == "\r":
+            column = 0
+        elif char == "\n":
+            rows.append("".join(row))
+            row, column = [], 0
+        else:
+            row[column:column + 1] = [char]
+            column += 1
+        at += 1
+    return rows + (["".join(row)] if row else [])
+
+
+class Ranks:
+    """Rank 0 and rank 1 of one job on one display, their frames fed as the relay's connections feed them."""
+
+    def __init__(self, out, err=None, mode="all", hold_s=HOLD_S):
+        self.out = out
+        self.display = Display(Terminal(out, out if err is None else err, hold_s=hold_s), mode)
+        self.relay = Relay(self.display, on_line=lambda *a: None, on_failure=lambda f: None,
+                           on_exit=lambda *a: None)
+        self.outputs = {(rank, stream): RankOutput(rank, stream, self.display)
+                        for rank in (0, 1) for stream in ("stdout", "stderr")}
+
+    def send(self, rank, data, stream="stdout"):
+        self.relay._output(rank, self.outputs[rank, stream], data)
+
+    def end(self):
+        for output in self.outputs.values():
+            output.flush()
+        self.display.close()
+        return self.out.getvalue()
+
+
+def test_another_ranks_line_waits_for_rank_0s_line_to_end_in_each_ranks_order():
+    # print("PART", "rank=0", "done") unbuffered: one write per argument; rank 1's lines arrive in between.
+    ranks = Ranks(Screen())
+    ranks.send(0, b"PART")
+    ranks.send(1, b"PART rank=1 done\n")
+    ranks.send(0, b" rank=0")
+    ranks.send(1, b"second of rank 1\n", stream="stderr")  # stdout and stderr are one file: it waits too
+    ranks.relay.display.terminal.line("stdout", b"from horovodrun\n")
+    ranks.send(0, b" done\nnext of rank 0\n")
+    assert ranks.end() == ("PART rank=0 done\n[1] PART rank=1 done\n[1] second of rank 1\nfrom horovodrun\n"
+                           "next of rank 0\n")
+
+
+def test_on_a_terminal_a_line_goes_between_two_redraws_of_a_bar_which_redraws_in_place():
+    ranks = Ranks(TTY())
+    ranks.send(0, b"\rtraining:  10%|#     | 1/10")
+    ranks.send(1, b"warning from rank 1\n")  # at once, tqdm.write's way: bar cleared, line, bar redrawn
+    assert ranks.out.getvalue().endswith("\r\x1b[K[1] warning from rank 1\ntraining:  10%|#     | 1/10")
+    ranks.send(0, b"\rtraining:  20%|##    | 2/10")
+    ranks.send(1, b"again\n")
+    ranks.send(0, b"\rtraining: 100%|######| 10/10\ntest accuracy: 0.94\n")
+    assert render(ranks.end()) == ["[1] warning from rank 1", "[1] again", "training: 100%|######| 10/10",
+                                   "test accuracy: 0.94"]
+
+
+def test_on_a_terminal_a_plain_unfinished_line_is_not_cleared_but_waited_for():
+    ranks = Ranks(TTY())
+    ranks.send(0, b"acc")
+    ranks.send(1, b"acc 1 0.93\n")
+    ranks.send(0, b" 0 0.94\n")
+    assert ranks.end() == "acc 0 0.94\n[1] acc 1 0.93\n"
+
+
+def test_a_line_of_rank_0_that_does_not_end_holds_the_others_at_most_hold_s():
+    assert 0.1 <= HOLD_S <= 1.0
+    for screen, shown in ((Screen(), ["Password: ", "[1] from rank 1", "typed"]),
+                          (TTY(), ["[1] from rank 1", "Password: typed"])):  # a terminal: the prompt redrawn
+        ranks = Ranks(screen, hold_s=0.05)
+        ranks.send(0, b"Password: ")
+        started = time.monotonic()
+        ranks.send(1, b"from rank 1\n")
+        while "from rank 1" not in screen.getvalue() and time.monotonic() - started < 5:
+            time.sleep(0.01)
+        assert 0.04 <= time.monotonic() - started < 2, screen.getvalue()
+        ranks.send(0, b"typed\n")
+        assert render(ranks.end()) == shown
+
+
+def test_on_a_terminal_an_unfinished_line_wider_than_it_is_ended_where_it_is_not_cleared():
+    wide = b"\r" + b"x" * 120  # wrapped over two rows: erasing one row would leave half of it
+    ranks = Ranks(TTY(), hold_s=0.05)
+    ranks.send(0, wide)
+    ranks.send(1, b"from rank 1\n")
+    ranks.send(0, b"\rdone\n")
+    assert ranks.end() == wide.decode() + "\n[1] from rank 1\n\rdone\n"
+
+
+def test_lines_on_another_file_do_not_wait_and_rank_0s_end_lets_the_waiting_lines_out():
+    out, err = Screen(), Screen()
+    ranks = Ranks(out, err)
+    ranks.send(0, b"half a line")
+    ranks.send(1, b"on stderr\n", stream="stderr")  # stderr is another file: rank 0's stdout line does not matter
+    assert err.getvalue() == "[1] on stderr\n"
+    ranks.send(1, b"on stdout\n")
+    assert out.getvalue() == "half a line"
+    assert ranks.end() == "half a line\n[1] on stdout\n"
+
+
+def test_hvdp_runs_last_line_never_waits_and_comes_after_the_lines_that_did():
+    screen = TTY()
+    terminal = Terminal(screen, screen)
+    terminal.write("stdout", b"PART")
+    terminal.line("stdout", b"[1] waiting\n")
+    terminal.line("stderr", b"hvdp: the job failed: rank 1 was lost.\n", final=True)
+    assert screen.getvalue() == "PART\n[1] waiting\nhvdp: the job failed: rank 1 was lost.\n"
+    terminal.write("stdout", b"\rbar 1/2")
+    terminal.line("stderr", b"hvdp run: stopped by SIGTERM.\n", final=True)  # the bar's last state kept
+    assert render(screen.getvalue())[-2:] == ["bar 1/2", "hvdp run: stopped by SIGTERM."]
+
+
+def test_two_ranks_writing_at_once_from_two_threads_every_line_whole():
+    screen = Screen()
+    ranks = Ranks(screen)
+
+    def rank0():
+        for i in range(300):
+            for piece in (b"PART", b" rank=0", f" i={i}".encode(), b" done", b"\n"):
+                ranks.send(0, piece)
+
+    def rank1():
+        for i in range(300):
+            ranks.send(1, f"PART rank=1 i={i} done\n".encode())
+
+    threads = [threading.Thread(target=rank0), threading.Thread(target=rank1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    lines = ranks.end().splitlines()
+    assert [line for line in lines if not line.startswith("[1] ")] == [f"PART rank=0 i={i} done" for i in range(300)]
+    assert [line for line in lines if line.startswith("[1] ")] == [f"[1] PART rank=1 i={i} done" for i in range(300)]
 
 
 def record(rank, message, when, kind="RuntimeError"):
