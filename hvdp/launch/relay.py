@@ -463,11 +463,12 @@ class Relay:
         self.display.log(rank, failure.traceback.encode())
         self.on_failure(failure)
 
-    def wait(self, timeout_s: float) -> None:
-        """Wait for the ranks' connections to end (their last output), up to ``timeout_s``."""
+    def wait(self, timeout_s: float, cancel: Optional[threading.Event] = None) -> None:
+        """Wait for the ranks' connections to end (their last output), up to ``timeout_s`` or until ``cancel``."""
         deadline = time.monotonic() + timeout_s
         for thread in list(self.threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
+            while thread.is_alive() and time.monotonic() < deadline and not (cancel is not None and cancel.is_set()):
+                thread.join(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def close(self) -> None:
         if self.server is not None:

@@ -71,17 +71,25 @@ def run(argv: List[str]) -> int:
                        *command[1:]]
         reader = threading.Thread(target=job.elastic.read, args=(os.fdopen(read_fd, "r"),), daemon=True)
         reader.start()
-    returncode, watcher = supervise.supervise(job)
-    if reader is not None:
-        reader.join(timeout=2)
-    if returncode != 0 and not job.received:
+
+    def say_how_it_ended(returncode: int, watcher: JobWatcher) -> None:
+        if returncode == 0:
+            return
+        if reader is not None:
+            reader.join(timeout=2)
         final = job.elastic.final_line() if job.elastic is not None else None
         cause = watcher.cause()
         text = final or watcher.summary(returncode)
         if job.elastic is None and cause is not None and cause[2] is not None and not watcher.stalled:
             text = supervise.traceback_block(cause[2]) + text
         if job.terminal is not None:  # after a progress bar rank 0 left mid-line, on a line of its own
-            job.terminal.line("stderr", (text + "\n").encode())
+            job.terminal.line("stderr", (text + "\n").encode(), final=True)
         else:
             print(text, file=sys.stderr, flush=True)
+
+    # Said before anything of the job is stopped (Compose may stop this container right after).
+    job.on_end = say_how_it_ended
+    returncode, _ = supervise.supervise(job)
+    if reader is not None:
+        reader.join(timeout=2)
     return returncode

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Dict, List, Optional, Tuple
+from typing import IO, Callable, Dict, List, Optional, Tuple
 
 from hvdp.failures import Failure
 from hvdp.launch import worker
@@ -83,6 +83,9 @@ class Job:
     #: A rank silent this long (no output, no heartbeat: paused, or cut off) ends the job; 0: never
     #: (elastic jobs: Horovod's driver replaces a lost worker).
     silence_s: float = 0.0
+    #: Says how the job ended (its exit code, the watcher), when it ended by itself or a silent rank
+    #: ended it: called before anything of the job is stopped, so that its line is out first.
+    on_end: Optional[Callable[[int, JobWatcher], None]] = None
 
 
 def traceback_block(failure: Failure) -> str:
@@ -177,6 +180,8 @@ def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) ->
             if quiet:  # nothing else would end the job before the ranks' own timeouts
                 for rank, host, last in quiet:
                     watcher.silent(rank, host, last, time.time() - last)
+                if job.on_end is not None:
+                    job.on_end(1, watcher)
                 end_everything()
                 return 1, watcher
         if stop.is_set():
@@ -186,25 +191,30 @@ def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) ->
             if known is not None:  # a rank had failed before the signal (e.g. Compose stops all on a worker's exit)
                 rank, why, _ = known
                 terminal.line("stderr", f"hvdp: the job failed: rank {rank} {why}; then hvdp run was stopped by "
-                                        f"{name}.\n".encode())
+                                        f"{name}.\n".encode(), final=True)
             stopped = end_everything()
             if relay is not None:
                 relay.wait(2)
             killed = f"; SIGKILL for {_and(_counted(stopped.killed))}" if stopped.killed else ""
             left = f"; still running: pids {stopped.left}" if stopped.left else ""
             terminal.line("stderr", f"hvdp run: stopped by {name}: ended {stopped.describe()} in "
-                                    f"{stopped.seconds:.1f} s{killed}{left}.\n".encode())
+                                    f"{stopped.seconds:.1f} s{killed}{left}.\n".encode(), final=True)
             return 128 + signum, watcher
         returncode = process.wait()
         ended = time.time()
-        reader.join(timeout=10)
+        # The job's last output; a signal now (Compose stopping this container) cuts the wait short.
+        waited = time.monotonic()
+        while reader.is_alive() and time.monotonic() - waited < 10 and not stop.is_set():
+            reader.join(timeout=0.05)
         if relay is not None:
-            relay.wait(DRAIN_S)
+            relay.wait(DRAIN_S, cancel=stop)
             if returncode != 0 and job.elastic is None:  # a rank still connected but long silent: the cause
                 for rank, host, last in relay.silent(SILENT_S, now=ended):
                     watcher.silent(rank, host, last, ended - last)
         if held and (returncode == 0 or watcher.cause() is None):
-            terminal.write("stdout", "".join(held).encode())
+            terminal.line("stdout", "".join(held).encode(), final=True)
+        if job.on_end is not None:  # before anything left is stopped
+            job.on_end(returncode, watcher)
         # Nothing of the job outlives it (e.g. workers an elastic driver left behind).
         if descendants():
             stop_tree(job.grace_s, keep=[process.pid])

@@ -124,3 +124,57 @@ def test_the_remote_stop_script_ends_exactly_the_jobs_processes(tmp_path):
         for proc in [*ours, other]:
             proc.kill()
             proc.wait()
+
+
+LOST_JOB = textwrap.dedent("""
+    import json, os, socket, subprocess, sys, time
+    host, port, token = os.environ["HVDP_OUTPUT_ADDRESS"].rsplit(":", 2)
+    hello = lambda rank, name: (json.dumps({"token": token, "rank": rank, "host": name}) + "\\n").encode()
+    # rank 0's connection stays open in a process the job leaves behind (as a remote rank may)
+    subprocess.Popen([sys.executable, "-c", "import socket, sys, time; "
+                      f"c = socket.create_connection(({host!r}, {port})); c.sendall({hello(0, 'worker1')!r}); "
+                      "open(sys.argv[1], 'w').close(); time.sleep(60)", sys.argv[1] + "/rank0"])
+    while not os.path.exists(sys.argv[1] + "/rank0"):
+        time.sleep(0.05)
+    lost = socket.create_connection((host, int(port)))  # rank 1: its connection closes with no exit status
+    lost.sendall(hello(1, "worker2"))
+    time.sleep(0.3)
+    lost.close()
+    time.sleep(0.3)
+    open(sys.argv[1] + "/exited", "w").close()
+    sys.exit(1)
+""")
+
+LOST_SUPERVISOR = textwrap.dedent("""
+    import os, sys
+    from hvdp.launch import supervise
+    from hvdp.launch.stop import descendants
+    def say(code, watcher):  # as hvdp run says it: the summary, and how much of the job was still there
+        job.terminal.line("stderr", f"{len(descendants())} left; {watcher.summary(code)}\\n".encode(), final=True)
+    job = supervise.Job(command=[sys.executable, sys.argv[1], sys.argv[2]], env=dict(os.environ),
+                        output=supervise.Output(), on_end=say)
+    code, _ = supervise.supervise(job)
+    sys.exit(code)
+""")
+
+
+def test_a_failure_is_said_at_once_when_a_signal_comes_after_the_job_and_before_its_leftovers_are_stopped(
+        tmp_path):
+    """Compose stops the launcher's container (SIGTERM) as soon as a worker's ends: the job has failed, hvdp
+    run is still waiting for the last output of a rank it left behind, and says why the job failed at once."""
+    (tmp_path / "job.py").write_text(LOST_JOB)
+    (tmp_path / "supervisor.py").write_text(LOST_SUPERVISOR)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "supervisor.py"), str(tmp_path / "job.py"),
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "exited").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # hvdp run waits (up to 5 s) for rank 0's last output
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("1 left; hvdp: the job failed: rank 1 on worker2 was lost: its processes ended "), err
+    assert time.monotonic() - signalled < 4, err  # not after the 5 s wait
