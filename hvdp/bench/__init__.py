@@ -81,6 +81,7 @@ Takes about 25 min (the full run) or about 3 min (--quick) on 2 cores."""
 #: What ``hvdp bench --help`` says below the options.
 EPILOG = """examples:
   hvdp bench --quick                               every kind of comparison, 2 rounds (about 3 min)
+  hvdp bench --smoke                               every contender once, 3 steps: does it run (CI)
   hvdp bench --only allreduce --json ar.json       one section, every figure written to ar.json
   hvdp bench --only breakdown --breakdown 4K,64M   an allreduce call's time, by phase (1 min)
   hvdp bench --json bench.json --plot bench.png    the full run, with a plot (about 25 min)"""
@@ -91,7 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--quick", action="store_true", help="a short run (< 5 min) touching every section")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a short run (< 5 min) touching every section")
+    size.add_argument("--smoke", action="store_true",
+                      help="every contender of --quick once, 3 steps: it runs (figures not measurements)")
     parser.add_argument("--only", metavar="SECTIONS",
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--rounds", type=int, help="alternating rounds per comparison (quick 2, full 3)")
@@ -105,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hvdp bench`` for parsed ``args``; raises BenchError on bad options or a failed job."""
-    settings = make_settings(args.quick, args.rounds, args.steps, args.warmup, args.only)
+    settings = make_settings(args.quick, args.rounds, args.steps, args.warmup, args.only,
+                             smoke=getattr(args, "smoke", False))
     if getattr(args, "breakdown", None):
         if "breakdown" not in settings.sections:
             raise BenchError(f"--breakdown {args.breakdown} sets the sizes of the breakdown section, which --only "

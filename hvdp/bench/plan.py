@@ -84,17 +84,29 @@ def parse_sections(text: Optional[str]) -> Tuple[str, ...]:
     return tuple(name for name in SECTIONS if name in names)
 
 
+#: ``--smoke``: every contender of ``--quick`` once, a few steps and calls each: it proves the bench runs
+#: end to end (every job, table, target, JSON and plot); its figures are not measurements.
+SMOKE_SWEEP_BYTES = (SWEEP_BYTES[0], SWEEP_BYTES[7])
+
+
 def make_settings(quick: bool, rounds: Optional[int], steps: Optional[int], warmup: Optional[int],
-                  only: Optional[str]) -> Settings:
-    """The settings for ``--quick`` or the full run, with explicit overrides checked.
+                  only: Optional[str], smoke: bool = False) -> Settings:
+    """The settings for ``--quick``, ``--smoke`` or the full run, with explicit overrides checked.
 
     Example:
         >>> make_settings(True, None, None, None, "native").sections
         ('native',)
+        >>> make_settings(False, None, None, None, None, smoke=True).rounds
+        1
     """
-    settings = Settings(mode="quick", rounds=2, warmup=2, steps=12, allreduce_budget=0.05,
-                        sweep_bytes=QUICK_SWEEP_BYTES, breakdown_calls=12, breakdown_budget=1.0) if quick else \
-        Settings(mode="full", rounds=3, warmup=5, steps=30, allreduce_budget=0.4)
+    if smoke:
+        settings = Settings(mode="smoke", rounds=1, warmup=1, steps=3, allreduce_budget=0.01,
+                            sweep_bytes=SMOKE_SWEEP_BYTES, breakdown_calls=3, breakdown_budget=0.3)
+    elif quick:
+        settings = Settings(mode="quick", rounds=2, warmup=2, steps=12, allreduce_budget=0.05,
+                            sweep_bytes=QUICK_SWEEP_BYTES, breakdown_calls=12, breakdown_budget=1.0)
+    else:
+        settings = Settings(mode="full", rounds=3, warmup=5, steps=30, allreduce_budget=0.4)
     for flag, value in (("--rounds", rounds), ("--steps", steps)):
         if value is not None and value < 1:
             raise BenchError(f"{flag} {value} must be at least 1; e.g. {flag} 3.")
@@ -123,7 +135,7 @@ def plan(settings: Settings) -> List[Group]:
     """The comparison groups to run for ``settings`` (quick: a subset touching every section)."""
     sections = settings.sections
     groups: List[Group] = []
-    quick = settings.mode == "quick"
+    quick = settings.mode in ("quick", "smoke")  # a smoke run has the quick plan, at its own size
 
     def versus(framework: str, model: str, np_: int, controller: str) -> List[Contender]:
         tag = f"{framework}/{model} np={np_} {controller}"

@@ -46,6 +46,16 @@ def test_sections_and_settings():
     assert quick.mode == "quick" and full.rounds == 5 and full.warmup == 0 and full.steps > quick.steps
 
 
+def test_smoke_runs_every_quick_contender_once_at_a_few_steps():
+    """--smoke: the quick plan's groups and contenders, one round, 3 steps, the sweep's two ends."""
+    smoke, quick = (bench.make_settings(q, None, None, None, None, smoke=not q) for q in (False, True))
+    assert (smoke.mode, smoke.rounds, smoke.steps, smoke.warmup) == ("smoke", 1, 3, 1)
+    assert smoke.sweep_bytes == (4096, 64 << 20) and smoke.breakdown_calls < quick.breakdown_calls
+    labels = [[c.label for c in g.contenders] for g in bench.plan(smoke)]
+    assert labels == [[c.label for c in g.contenders] for g in bench.plan(quick)] and len(labels) == 5
+    assert bench.make_settings(False, None, 5, None, None, smoke=True).steps == 5  # overrides still apply
+
+
 def test_unwritable_json_path_is_refused(tmp_path):
     with pytest.raises(BenchError, match="--json '/nonexistent/dir/b.json' cannot be written"):
         bench.check_writable("/nonexistent/dir/b.json", "--json")

@@ -1,0 +1,55 @@
+"""The suite's time from pytest's JUnit XML: the slowest tests, the time per file, the total; exit 1 when
+the total passes the budget by more than the margin (the suite has grown: group its new checks).
+
+Usage: python .ci/suite_time.py JUNIT.xml [--budget SECONDS] [--margin FRACTION] [--top N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import xml.etree.ElementTree as ET
+
+#: The suite's budget on this machine kind (2 cores), measured quiet: README's "Tests" section says how.
+BUDGET_S = 1500.0
+#: These machines vary up to 2x from day to day (the same Horovod build took 235 s and 499 s): a total
+#: up to BUDGET_S * (1 + MARGIN) passes; past it the suite has grown, whatever the day.
+MARGIN = 0.5
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("junit")
+    parser.add_argument("--budget", type=float, default=BUDGET_S)
+    parser.add_argument("--margin", type=float, default=MARGIN)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    root = ET.parse(args.junit).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = sum(float(s.get("time", 0)) for s in suites)
+    cases = [(float(c.get("time", 0)), f"{c.get('classname', '')}::{c.get('name', '')}")
+             for s in suites for c in s.iter("testcase")]
+    per_file: collections.Counter = collections.Counter()
+    for seconds, name in cases:
+        per_file[name.split("::")[0].rsplit(".", 1)[0].replace(".", "/") + ".py"] += seconds
+    print(f"[ci] the suite's slowest {args.top} tests (setup and teardown of shared fixtures counted once, "
+          "in the test that ran them):")
+    for seconds, name in sorted(cases, reverse=True)[:args.top]:
+        print(f"[ci] {seconds:8.1f} s  {name}")
+    print("[ci] time per file:")
+    for name, seconds in per_file.most_common():
+        print(f"[ci] {seconds:8.1f} s  {name}")
+    limit = args.budget * (1 + args.margin)
+    print(f"[ci] the suite: {len(cases)} tests in {total:.0f} s (budget {args.budget:.0f} s, "
+          f"failing above {limit:.0f} s)")
+    if total > limit:
+        print(f"[ci] FAILED: the suite took {total:.0f} s, over its budget of {args.budget:.0f} s by more than "
+              f"{args.margin:.0%}. Group the new checks into shared jobs (README, Tests) or raise the budget "
+              "in .ci/suite_time.py with the reason.")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
