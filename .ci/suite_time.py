@@ -18,6 +18,14 @@ BUDGET_S = 1500.0
 MARGIN = 0.5
 
 
+def module_path(classname: str) -> str:
+    """``tests.parallel.test_core`` (or ``tests.unit.test_x.TestY``) as the file ``tests/parallel/test_core.py``."""
+    parts = classname.split(".")
+    if len(parts) > 1 and parts[-1][:1].isupper():  # a test class inside the module
+        parts = parts[:-1]
+    return "/".join(parts) + ".py"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("junit")
@@ -32,7 +40,7 @@ def main(argv=None) -> int:
              for s in suites for c in s.iter("testcase")]
     per_file: collections.Counter = collections.Counter()
     for seconds, name in cases:
-        per_file[name.split("::")[0].rsplit(".", 1)[0].replace(".", "/") + ".py"] += seconds
+        per_file[module_path(name.split("::")[0])] += seconds
     print(f"[ci] the suite's slowest {args.top} tests (setup and teardown of shared fixtures counted once, "
           "in the test that ran them):")
     for seconds, name in sorted(cases, reverse=True)[:args.top]:

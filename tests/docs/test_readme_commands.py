@@ -60,7 +60,7 @@ ELSEWHERE: Dict[str, Tuple[str, str]] = {
     "sbatch docker/slurm/hvdp.sbatch --mpi -- train.py --epochs 5":
         ("tests/cluster/test_slurm.py", 'f"--{controller}", "--", str(DIGITS_RANK)'),
     "squeue --me; scancel JOBID": ("tests/cluster/test_slurm.py", '"scancel"'),
-    "hvdp bench --quick": (".ci/run", "hvdp bench --quick"),
+    "hvdp bench --smoke": ("tests/parallel/test_bench_smoke.py", '"bench", "--smoke"'),
 }
 
 _NO_ENGINE = "no Docker engine here (tests/cluster/test_static.py lints the Dockerfiles and validates Compose)"
@@ -90,6 +90,7 @@ NOT_RUN: Dict[str, str] = {
     "kubectl delete mpijob hvdp-digits": _NO_K8S,
     "sbatch --nodes=4 --ntasks-per-node=2 docker/slurm/hvdp.sbatch --mpi":
         "needs 4 nodes of 2 CPUs; the test cluster (tests/cluster/test_slurm.py) has 2 nodes of 1",
+    "hvdp bench --quick": "2 rounds of every comparison take 4-9 min; make test runs its plan at the smoke size",
     "hvdp bench --json bench.json --plot bench.png": "the full benchmark takes about 25 min",
     "hvdp bench --only native,scaling --rounds 5": "5 rounds of two sections take about 15 min",
 }

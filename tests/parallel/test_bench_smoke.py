@@ -84,8 +84,15 @@ def test_allreduce_sweep_and_breakdown_have_every_contender_and_size(smoke):
     for label, figures in sweep["impls"].items():
         assert all(positive(s) for s in figures["seconds"]) and all(positive(b) for b in figures["algbw_GBps"]), \
             label
-    assert data["breakdown"], "the breakdown section is missing"
-    assert all(positive(n) for n in _numbers(data["breakdown"]) if n), data["breakdown"]
+    runs = data["breakdown"]["runs"]
+    assert sorted(run["controller"] for run in runs) == ["gloo", "mpi"], runs
+    for run in runs:  # every variant, both sizes, both ranks, a few calls each that took time
+        assert run["variants"], run
+        for variant, by_size in run["variants"].items():
+            assert sorted(map(int, by_size)) == [4096, 64 << 20], (run["controller"], variant)
+            for by_rank in by_size.values():
+                assert sorted(by_rank) == ["0", "1"], (run["controller"], variant)
+                assert all(r["calls"] >= 3 and positive(r["median_us"]["call"]) for r in by_rank.values()), by_rank
 
 
 def test_targets_table_and_plot(smoke):
@@ -95,5 +102,6 @@ def test_targets_table_and_plot(smoke):
     assert measured == MEASURED
     numbers = list(_numbers({"groups": data["groups"], "targets": [t["value"] for t in data["targets"]
                                                                     if t["value"] is not None]}))
-    assert numbers and all(math.isfinite(n) and n >= 0 for n in numbers), numbers
+    assert numbers and all(math.isfinite(n) and n > 0 for n in numbers
+                           if not isinstance(n, int) or n > 0), numbers
     assert "targets" in stdout and "hvdp bench smoke" in stdout

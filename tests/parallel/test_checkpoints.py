@@ -15,9 +15,21 @@ def run(framework, mode, folder):
     return run_job(["--gloo", "--framework", framework, str(WORKERS / "checkpoint_resume.py"), mode], folder)
 
 
+_FULL: dict = {}
+
+
+def full_run(framework, tmp_path_factory):
+    """The uninterrupted run of ``framework`` (its folder holds its checkpoints), once per module."""
+    if framework not in _FULL:
+        folder = tmp_path_factory.mktemp(f"full-{framework}")
+        _FULL[framework] = (run(framework, "full", folder), folder)
+    return _FULL[framework]
+
+
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_crash_at_step_7_resumes_from_step_5_and_ends_like_an_uninterrupted_run(framework, tmp_path):
-    full = run(framework, "full", tmp_path / "full")
+def test_crash_at_step_7_resumes_from_step_5_and_ends_like_an_uninterrupted_run(framework, tmp_path,
+                                                                                tmp_path_factory):
+    full, _ = full_run(framework, tmp_path_factory)
     assert full.returncode == 0, full.output[-4000:]
     assert len({r["final"] for r in full.ranks}) == 1
 
@@ -35,12 +47,12 @@ def test_crash_at_step_7_resumes_from_step_5_and_ends_like_an_uninterrupted_run(
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_bad_checkpoints_raise_clear_errors_on_every_rank(framework, tmp_path):
+def test_bad_checkpoints_raise_clear_errors_on_every_rank(framework, tmp_path, tmp_path_factory):
     other = "tensorflow" if framework == "torch" else "torch"
-    made = run(other, "full", tmp_path / "other")
+    made, folder = full_run(other, tmp_path_factory)  # the other framework's uninterrupted run
     assert made.returncode == 0, made.output[-4000:]
     (tmp_path / "bad").mkdir()
-    shutil.copy(tmp_path / "other" / "step5.npz", tmp_path / "bad" / "other_framework.npz")
+    shutil.copy(folder / "step5.npz", tmp_path / "bad" / "other_framework.npz")
     job = run(framework, "errors", tmp_path / "bad")
     assert job.returncode == 0, job.output[-4000:]
     for rank in job.ranks:

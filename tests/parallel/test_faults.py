@@ -20,9 +20,20 @@ def run_fault(mode, controller, tmp_path, *extra):
     return job, detection
 
 
+_KILLED: dict = {}
+
+
+def killed_job(controller, tmp_path_factory):
+    """One kill -9 job per controller (with --log-dir), shared by the two tests that read it."""
+    if controller not in _KILLED:
+        out = tmp_path_factory.mktemp(f"kill9-{controller}")
+        _KILLED[controller] = (*run_fault("kill9", controller, out, "--log-dir", str(out / "logs")), out)
+    return _KILLED[controller]
+
+
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_kill_9_of_one_rank_ends_the_job_within_60_s_naming_it(controller, tmp_path):
-    job, detection = run_fault("kill9", controller, tmp_path)
+def test_kill_9_of_one_rank_ends_the_job_within_60_s_naming_it(controller, tmp_path_factory):
+    job, detection, _ = killed_job(controller, tmp_path_factory)
     assert job.returncode != 0
     assert detection < 60, detection
     assert "hvdp: the job failed: rank 1 was killed by SIGKILL" in job.output, job.output[-3000:]
@@ -68,10 +79,10 @@ def test_a_paused_rank_ends_the_job_after_the_stall_timeout_naming_it(controller
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_horovods_own_text_names_a_killed_rank_where_no_record_exists(controller, tmp_path):
+def test_horovods_own_text_names_a_killed_rank_where_no_record_exists(controller, tmp_path_factory):
     """What horovodrun and mpirun print when a rank dies of a signal (kept in --log-dir's launcher.log)
     is all the watcher needs when no record comes: each pattern against the text Horovod really prints."""
-    job, _ = run_fault("kill9", controller, tmp_path, "--log-dir", str(tmp_path / "logs"))
+    job, _, tmp_path = killed_job(controller, tmp_path_factory)
     assert job.returncode != 0
     assert "Killed" not in job.output, job.output[-3000:]  # horovodrun's account: the record says it
     watcher = JobWatcher()
