@@ -63,7 +63,9 @@ def smoke(tmp_path_factory):
 
 
 def test_every_contender_ran_once_with_positive_figures(smoke):
-    """The quick plan's comparisons, each contender one run of 3 steps (the smoke size), every figure > 0."""
+    """The quick plan's comparisons, each contender one run of 3 steps (the smoke size), every figure > 0.
+
+    Over 60 s: the first test of the module runs the shared smoke (17 real jobs, about 3 min)."""
     _, data, _ = smoke
     assert (data["mode"], data["rounds"], data["steps"], data["warmup"]) == ("smoke", 1, 3, 1)
     assert {g["name"]: set(g["ratios"]) for g in data["groups"]} == GROUPS
