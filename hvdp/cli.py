@@ -1,37 +1,44 @@
-"""The ``hvdp`` command: ``run``, ``doctor``, ``report``, ``bench`` and ``build``."""
+"""The ``hvdp`` command: ``run``, ``doctor``, ``report``, ``bench`` and ``build``.
+
+Every command is a module with ``add_arguments(parser)`` (its options and help, on
+its subparser) and ``main(args) -> int``; this module only lists them and dispatches.
+Only the chosen command's module is imported, so ``hvdp --help`` stays quick.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from hvdp.errors import HvdpError
 
+#: Every command: its name, the module that implements it, and its line in ``hvdp --help``.
+COMMANDS: Tuple[Tuple[str, str, str], ...] = (
+    ("run", "hvdp.launch", "launch a training script on N processes (see hvdp run --help)"),
+    ("doctor", "hvdp.doctor", "show versions, what Horovod was built with, and problems"),
+    ("report", "hvdp.report", "per-rank step times and why ranks wait (from hvdp run --profile DIR)"),
+    ("bench", "hvdp.bench", "hvdp vs plain Horovod, DDP, MultiWorkerMirroredStrategy and mpi4py, "
+                            "side by side (see hvdp bench --help)"),
+    ("build", "hvdp.horovod_build.command", "build Horovod 0.28.1 for the installed frameworks and cache it"),
+)
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hvdp", description="Data-parallel training over Horovod, for PyTorch and TensorFlow.")
+
+def _parser(chosen: Optional[str]) -> argparse.ArgumentParser:
+    """The ``hvdp`` parser: a line per command, and the options of the ``chosen`` one (its module imported)."""
     from hvdp import __version__
 
+    parser = argparse.ArgumentParser(
+        prog="hvdp", description="Data-parallel training over Horovod, for PyTorch and TensorFlow.")
     parser.add_argument("--version", action="version", version=f"hvdp {__version__}")
-    sub = parser.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
-    sub.add_parser("run", help="launch a training script on N processes (see hvdp run --help)",
-                   add_help=False)
-    from hvdp.doctor import add_arguments as doctor_arguments
-    from hvdp.report import add_arguments as report_arguments
-
-    doctor_arguments(sub.add_parser("doctor", help="show versions, what Horovod was built with, and problems"))
-    report_arguments(sub.add_parser("report", help="per-rank step times and why ranks wait "
-                                                   "(from hvdp run --profile DIR)"))
-    bench = sub.add_parser("bench", help="hvdp vs plain Horovod, DDP, MultiWorkerMirroredStrategy and mpi4py, "
-                                         "side by side (see hvdp bench --help)")
-    from hvdp.bench import add_arguments as bench_arguments
-
-    bench_arguments(bench)
-    from hvdp.horovod_build.command import add_arguments as build_arguments
-
-    build_arguments(sub.add_parser("build", help="build Horovod 0.28.1 for the installed frameworks and cache it"))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module_path, help_line in COMMANDS:
+        command_parser = sub.add_parser(name, help=help_line)
+        if name == chosen:
+            module = importlib.import_module(module_path)
+            module.add_arguments(command_parser)
+            command_parser.set_defaults(command_main=module.main)
     return parser
 
 
@@ -39,37 +46,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``hvdp`` console script."""
     args_in = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args_in[:1] == ["run"]:
-            from hvdp import launch
-
-            return launch.run(args_in[1:])
-        args = _parser().parse_args(args_in)
-        if args.cmd == "doctor":
-            from hvdp import doctor
-
-            return doctor.main(as_json=args.json)
-        if args.cmd == "report":
-            from hvdp import report
-
-            try:
-                return report.main(args.directory, as_json=args.json, plot_path=args.plot, skip=args.skip)
-            except ValueError as exc:
-                print(f"hvdp: error: {exc}", file=sys.stderr)
-                return 2
-        if args.cmd == "bench":
-            from hvdp import bench as bench_module
-
-            return bench_module.run(args)
-        if args.cmd == "build":
-            from hvdp.horovod_build import command as build_command
-
-            return build_command.main(args)
+        # The command is the first word: hvdp's own options (--help, --version) end the parse before it.
+        args = _parser(args_in[0] if args_in else None).parse_args(args_in)
+        return int(args.command_main(args))
     except HvdpError as exc:
         print(f"hvdp: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 2
 
 
 if __name__ == "__main__":

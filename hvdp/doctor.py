@@ -238,10 +238,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
-def main(as_json: bool = False) -> int:
-    """Print the report; exit status 1 when Horovod cannot run a job."""
+def main(args: argparse.Namespace) -> int:
+    """``hvdp doctor``: print the report (``--json``: as JSON); exit status 1 when Horovod cannot run a job."""
     report = diagnose()
-    if as_json:
+    if args.json:
         print(json.dumps({"versions": report.versions, "built": report.built, "usable": report.usable,
                           "controllers": report.controllers, "problems": report.problems, "ok": report.ok},
                          indent=2))

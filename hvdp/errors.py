@@ -52,3 +52,7 @@ class ProcessSetError(HvdpError, ValueError):
 
 class BenchError(HvdpError, ValueError):
     """``hvdp bench`` was given bad options, or a benchmark job failed."""
+
+
+class ReportError(HvdpError, ValueError):
+    """``hvdp report`` cannot read the records it was given, or cannot draw its plot."""

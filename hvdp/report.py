@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from hvdp.errors import ReportError
+
 #: A straggler's extra work must exceed this share of the step time ...
 STRAGGLER_SHARE = 0.10
 #: ... and this many seconds (so timer noise on tiny steps names no one).
@@ -227,14 +229,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", type=int, default=None, help="warm-up steps to leave out (default: 10%%)")
 
 
-def main(directory: str, as_json: bool = False, plot_path: Optional[str] = None, skip: Optional[int] = None) -> int:
-    """``hvdp report``: print the report (or JSON), optionally draw the plot."""
-    records = load(Path(directory))
-    summaries = summarize(records, skip)
-    diagnosis = diagnose(summaries)
-    if plot_path:
-        plot(records, summaries, Path(plot_path))
-    if as_json:
+def main(args: argparse.Namespace) -> int:
+    """``hvdp report DIR``: print the report (or ``--json``), optionally draw the ``--plot``.
+
+    A directory, record or plot it cannot use is a :class:`~hvdp.errors.ReportError` (one line, exit status 2
+    from the CLI).
+    """
+    plot_path = args.plot
+    try:
+        records = load(Path(args.directory))
+        summaries = summarize(records, args.skip)
+        diagnosis = diagnose(summaries)
+        if plot_path:
+            plot(records, summaries, Path(plot_path))
+    except ValueError as exc:
+        raise ReportError(str(exc)) from exc
+    if args.json:
         print(json.dumps({"ranks": [{**asdict(s), "busy_seconds": s.busy} for s in summaries],
                           "diagnosis": asdict(diagnosis)}, indent=2))
     else:

@@ -34,7 +34,6 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
 
 from hvdp.bench.breakdown import parse_sizes as parse_breakdown_sizes
 from hvdp.bench.plan import (
@@ -60,16 +59,8 @@ __all__ = [
     "Group", "Settings", "Target", "add_arguments", "algbw", "busbw", "check_writable", "efficiency", "format_table",
     "hvdp_env", "job", "machine", "main", "make_settings", "median", "parse_breakdown_sizes", "parse_sections", "plan",
     "plot", "ratio",
-    "run", "run_contender", "run_groups", "summarize", "targets",
+    "run_contender", "run_groups", "summarize", "targets",
 ]
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """``hvdp bench``: run the comparisons, print the table, write ``--json`` / ``--plot``."""
-    parser = argparse.ArgumentParser(prog="hvdp bench")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run(args)
 
 
 #: What ``hvdp bench --help`` says above the options.
@@ -107,8 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="draw the figures (matplotlib)")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``hvdp bench`` for parsed ``args``; raises BenchError on bad options or a failed job."""
+def main(args: argparse.Namespace) -> int:
+    """``hvdp bench``: run the comparisons, print the table, write ``--json`` / ``--plot``.
+
+    Raises BenchError on bad options or a failed job.
+    """
     settings = make_settings(args.quick, args.rounds, args.steps, args.warmup, args.only,
                              smoke=getattr(args, "smoke", False))
     if getattr(args, "breakdown", None):

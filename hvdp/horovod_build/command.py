@@ -64,7 +64,7 @@ def options_from(args: Any) -> BuildOptions:
     return options
 
 
-def main(args: Any) -> int:
+def main(args: argparse.Namespace) -> int:
     """Run ``hvdp build`` for parsed ``args``, printing progress; 0 once Horovod is installed."""
     build(options_from(args), progress=lambda line: print(line, flush=True))
     return 0

@@ -7,6 +7,7 @@ anything, so tests can check the command; :func:`run` (:mod:`.run`) starts it un
 discovery script); each rank's output and failure record reach ``hvdp run`` through
 :mod:`.relay` and :mod:`.worker`; :mod:`.stop` ends a job; :mod:`.watch` reads Horovod's
 text where no record exists; :mod:`.elastic` reports what the elastic driver decides.
+``add_arguments`` and ``main`` make ``hvdp run`` a command of the CLI, like the others.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from hvdp.launch.hosts import (
     parse_hosts,
     slurm_hosts,
 )
-from hvdp.launch.run import run
+from hvdp.launch.run import add_arguments, main, run
 from hvdp.launch.watch import JobWatcher, describe_exit
 
 __all__ = [
-    "DEFAULT_ELASTIC_TIMEOUT", "DEFAULT_STALL_TIMEOUT", "THREAD_VARS", "JobWatcher", "RunArgs",
+    "DEFAULT_ELASTIC_TIMEOUT", "DEFAULT_STALL_TIMEOUT", "THREAD_VARS", "JobWatcher", "RunArgs", "add_arguments",
     "build_command", "check_discovery_script", "check_elastic_args", "describe_exit", "discovery_script_path",
-    "expand_nodelist", "expand_tasks_per_node", "horovodrun_arity", "horovodrun_path", "parse_hostfile",
+    "expand_nodelist", "expand_tasks_per_node", "horovodrun_arity", "horovodrun_path", "main", "parse_hostfile",
     "parse_hosts", "parse_run_args", "resolve_hosts", "run", "run_parser", "slurm_hosts",
 ]

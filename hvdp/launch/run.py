@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import threading
@@ -15,6 +16,28 @@ from hvdp.launch.elastic import ElasticReporter
 from hvdp.launch.hosts import check_discovery_script, hosts_line, local_addresses
 from hvdp.launch.stop import RemoteStop
 from hvdp.launch.watch import JobWatcher
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The CLI's ``run`` subparser takes every word after ``run`` as it is, for :func:`run` to parse.
+
+    ``hvdp run`` parses its own argv (:func:`~hvdp.launch.args.parse_run_args`: its help,
+    and the flags it passes on to horovodrun), so no word is an option of this parser,
+    not even ``--help``.
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="hvdp run")
+        >>> add_arguments(parser)
+        >>> parser.parse_args(["-np", "2", "--help"]).argv
+        ['-np', '2', '--help']
+    """
+    parser.prefix_chars = ""
+    parser.add_argument("argv", nargs=argparse.REMAINDER, help="hvdp run's arguments (see hvdp run --help)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``hvdp run`` for the words :func:`add_arguments` collected: :func:`run` on them."""
+    return run(args.argv)
 
 
 def run(argv: List[str]) -> int:

@@ -159,9 +159,9 @@ def test_plan_and_job_of_the_breakdown_section(monkeypatch):
     assert worker[worker.index("--sizes") + 1] == "4096,1048576" and "--calls" in worker
     assert "breakdown" in bench.plan(bench.make_settings(True, None, None, None, None))[-1].name
     with pytest.raises(BenchError, match="'zz' is not a size"):
-        bench.run(bench_args(breakdown="4K,zz"))
+        bench.main(bench_args(breakdown="4K,zz"))
     with pytest.raises(BenchError, match="--only native leaves out: add it, e.g. --only native,breakdown"):
-        bench.run(bench_args(breakdown="4K", only="native"))
+        bench.main(bench_args(breakdown="4K", only="native"))
     assert isinstance(Settings().breakdown_bytes, tuple) and Contender("x", "hvdp").task == "train"
 
 

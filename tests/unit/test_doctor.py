@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -100,9 +101,9 @@ def test_a_probe_that_fails_or_hangs_is_an_error_fact_not_a_traceback(monkeypatc
 
 def test_render_and_json_say_not_ok_with_exit_status_1(monkeypatch, capsys):
     monkeypatch.setattr(hvdp_doctor, "diagnose", lambda: _assess(frameworks={}, horovod=None))
-    assert hvdp_doctor.main() == 1
+    assert hvdp_doctor.main(argparse.Namespace(json=False)) == 1
     text = capsys.readouterr().out
     assert "Problems:\n  - Neither torch nor tensorflow" in text
     assert text.endswith("NOT OK: Horovod cannot run a job.\n")
-    assert hvdp_doctor.main(as_json=True) == 1
+    assert hvdp_doctor.main(argparse.Namespace(json=True)) == 1
     assert json.loads(capsys.readouterr().out)["ok"] is False
