@@ -28,7 +28,7 @@ from typing import IO, Callable, Dict, List, Optional, Tuple
 from hvdp.failures import Failure
 from hvdp.launch import worker
 from hvdp.launch.elastic import ElasticReporter
-from hvdp.launch.relay import SILENT_S, Display, Relay, Terminal, is_noise, reachable_address, stream_env
+from hvdp.launch.relay import SILENT_S, Display, Relay, is_noise, reachable_address, stream_env
 from hvdp.launch.stop import (
     GRACE_S,
     JOB_ID_VAR,
@@ -41,6 +41,7 @@ from hvdp.launch.stop import (
     reap_orphans,
     stop_tree,
 )
+from hvdp.launch.terminal import Terminal
 from hvdp.launch.watch import JobWatcher, TagJoiner
 
 #: Signals that end the job (what timeout, systemd, Kubernetes, Docker and a terminal send).

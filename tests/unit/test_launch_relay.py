@@ -20,7 +20,8 @@ from hvdp import failures
 from hvdp.failures import Failure
 from hvdp.launch import worker
 from hvdp.launch.args import run_parser, split_args
-from hvdp.launch.relay import HOLD_S, Display, RankOutput, Relay, Terminal, is_noise
+from hvdp.launch.relay import Display, RankOutput, Relay, is_noise
+from hvdp.launch.terminal import HOLD_S, Terminal
 from hvdp.launch.watch import JobWatcher
 
 #: As TensorFlow 2.21 printed them at import, on this machine (tmux capture of hvdp run before the relay).
