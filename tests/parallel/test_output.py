@@ -125,12 +125,17 @@ def screen(command: str, timeout_s: float = 240) -> str:
         subprocess.run([*tmux, "kill-server"], check=False)
 
 
+def hvdp_run_line(args: str, settings: str = "") -> str:
+    """The shell line of `hvdp run ARGS` as typed in the terminal, the framework left to --framework."""
+    env = " ".join(f"{var}=" for var in ("HVDP_FRAMEWORK", "KERAS_BACKEND") if var in os.environ)
+    return f"env {env} {settings} {sys.executable} -m hvdp.cli run {args}"
+
+
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_a_terminal_shows_every_line_whole_and_rank_0s_progress_line_redrawn_in_place(controller):
-    env = " ".join(f"{var}=" for var in ("HVDP_FRAMEWORK", "KERAS_BACKEND") if var in os.environ)
-    shown = screen(f"env {env} PYTHONUNBUFFERED=1 {sys.executable} -m hvdp.cli run -np 2 --{controller} "
-                   f"--framework torch {WORKERS / 'output_ranks.py'}")
+    shown = screen(hvdp_run_line(f"-np 2 --{controller} --framework torch {WORKERS / 'output_ranks.py'}",
+                                 "PYTHONUNBUFFERED=1"))
     lines = shown.splitlines()
     assert "EXIT=0" in lines, shown
     assert "hello from rank 0 (stdout a terminal: True)" in lines, shown
@@ -144,9 +149,7 @@ def test_a_terminal_shows_every_line_whole_and_rank_0s_progress_line_redrawn_in_
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_a_terminal_shows_one_progress_bar_redrawn_in_place(framework):
-    env = " ".join(f"{var}=" for var in ("HVDP_FRAMEWORK", "KERAS_BACKEND") if var in os.environ)
-    shown = screen(f"env {env} {sys.executable} -m hvdp.cli run -np 2 --framework {framework} "
-                   f"examples/train_digits.py --epochs 3")
+    shown = screen(hvdp_run_line(f"-np 2 --framework {framework} examples/train_digits.py --epochs 3"))
     lines = [line for line in shown.splitlines() if line.strip()]
     assert "EXIT=0" in lines, shown
     bars = [line for line in lines if line.startswith("training:")]

@@ -50,15 +50,22 @@ SUPERVISOR = textwrap.dedent("""
 """)
 
 
-def test_a_signal_ends_the_whole_tree_orphans_and_sigterm_ignorers_included(tmp_path):
-    (tmp_path / "tree.py").write_text(TREE)
-    (tmp_path / "supervisor.py").write_text(SUPERVISOR)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "supervisor.py"), str(tmp_path / "tree.py"),
+def start_supervisor(tmp_path, job: str, supervisor: str, until: str, poll_s: float) -> subprocess.Popen:
+    """``supervisor`` (a script) supervising ``job`` (a script) in ``tmp_path``, started once the job has
+    written ``tmp_path / until`` (or after 60 s)."""
+    (tmp_path / "job.py").write_text(job)
+    (tmp_path / "supervisor.py").write_text(supervisor)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "supervisor.py"), str(tmp_path / "job.py"),
                              str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[2])
     deadline = time.monotonic() + 60
-    while not (tmp_path / "pids").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    while not (tmp_path / until).exists() and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return proc
+
+
+def test_a_signal_ends_the_whole_tree_orphans_and_sigterm_ignorers_included(tmp_path):
+    proc = start_supervisor(tmp_path, TREE, SUPERVISOR, until="pids", poll_s=0.1)
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     orphan = pids[1]
     assert int(Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid  # adopted
@@ -162,14 +169,7 @@ def test_a_failure_is_said_at_once_when_a_signal_comes_after_the_job_and_before_
         tmp_path):
     """Compose stops the launcher's container (SIGTERM) as soon as a worker's ends: the job has failed, hvdp
     run is still waiting for the last output of a rank it left behind, and says why the job failed at once."""
-    (tmp_path / "job.py").write_text(LOST_JOB)
-    (tmp_path / "supervisor.py").write_text(LOST_SUPERVISOR)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "supervisor.py"), str(tmp_path / "job.py"),
-                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[2])
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "exited").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    proc = start_supervisor(tmp_path, LOST_JOB, LOST_SUPERVISOR, until="exited", poll_s=0.05)
     time.sleep(0.5)  # hvdp run waits (up to 5 s) for rank 0's last output
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
