@@ -11,11 +11,12 @@ import collections
 import sys
 import xml.etree.ElementTree as ET
 
-#: The suite's budget on this machine kind (2 cores), measured quiet: README's "Tests" section says how.
-BUDGET_S = 1500.0
+#: The suite's budget on this machine kind (2 cores): .ci/run's 30 minutes less its set-up (README, Tests).
+BUDGET_S = 1800.0
 #: These machines vary up to 2x from day to day (the same Horovod build took 235 s and 499 s): a total
-#: up to BUDGET_S * (1 + MARGIN) passes; past it the suite has grown, whatever the day.
-MARGIN = 0.5
+#: up to BUDGET_S * (1 + MARGIN) passes (60 min: with a Horovod build, still well within CI's 90);
+#: past it the suite has grown, whatever the day.
+MARGIN = 1.0
 
 
 def module_path(classname: str) -> str:
