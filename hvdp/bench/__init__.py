@@ -103,8 +103,7 @@ def main(args: argparse.Namespace) -> int:
 
     Raises BenchError on bad options or a failed job.
     """
-    settings = make_settings(args.quick, args.rounds, args.steps, args.warmup, args.only,
-                             smoke=getattr(args, "smoke", False))
+    settings = make_settings(args.quick, args.rounds, args.steps, args.warmup, args.only, smoke=args.smoke)
     if getattr(args, "breakdown", None):
         if "breakdown" not in settings.sections:
             raise BenchError(f"--breakdown {args.breakdown} sets the sizes of the breakdown section, which --only "
