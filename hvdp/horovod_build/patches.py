@@ -50,8 +50,11 @@ _OPS = "horovod/common/operations.cc"
 #: through ctypes once a step's gradients or a blocking collective are enqueued) ends it, and so
 #: does a grouped allreduce (``grouped_allreduce``, hvdp's TensorFlow gradients: a group is enqueued
 #: whole, so nothing more is coming for it). Every rank still meets in each round, so a woken round
-#: waits for the others as any round does. ``HVDP_EARLY_WAKE=0`` turns it off (measured on/off by
-#: ``hvdp bench``).
+#: waits for the others as any round does. A rank whose round ended with a tensor it submitted
+#: before that round still unfinished (another rank submitted it a round later, so the ranks' rounds
+#: are one apart) starts its next round within 1 ms, not at the end of the cycle: the other rank's
+#: woken round is waiting for it, and nothing else would wake it. ``HVDP_EARLY_WAKE=0`` turns it
+#: all off (measured on/off by ``hvdp bench``).
 EARLY_WAKE: Tuple[Patch, ...] = (
     Patch(_OPS, "#include <thread>\n", "#include <condition_variable>\n#include <mutex>\n#include <thread>\n",
           "the early wake's condition variable"),
@@ -80,6 +83,20 @@ EARLY_WAKE: Tuple[Patch, ...] = (
           "    hvdp_wake_pending = true;\n"
           "  }\n"
           "  hvdp_wake_cv.notify_all();\n"
+          "}\n"
+          "\n"
+          "// hvdp: whether the last round left a tensor submitted before it unfinished.\n"
+          "bool hvdp_left_waiting = false;\n"
+          "\n"
+          "// hvdp: tensors ever submitted, and tensors still unfinished, over every process set.\n"
+          "std::pair<int64_t, int64_t> HvdpQueueCounts(HorovodGlobalState& state) {\n"
+          "  std::pair<int64_t, int64_t> counts(0, 0);\n"
+          "  for (auto id : state.process_set_table.Ids()) {\n"
+          "    auto one = state.process_set_table.Get(id).tensor_queue.HvdpCounts();\n"
+          "    counts.first += one.first;\n"
+          "    counts.second += one.second;\n"
+          "  }\n"
+          "  return counts;\n"
           "}\n",
           "the early wake's state, and HVDP_EARLY_WAKE=0 to turn it off"),
     Patch(_OPS,
@@ -87,6 +104,10 @@ EARLY_WAKE: Tuple[Patch, ...] = (
           "    std::this_thread::sleep_for(sleep_duration);\n"
           "  }\n"
           "  state.last_cycle_start = std::chrono::steady_clock::now();\n",
+          "  if (hvdp_left_waiting && HvdpEarlyWakeOn() &&\n"
+          "      sleep_duration > std::chrono::milliseconds(1)) {\n"
+          "    sleep_duration = std::chrono::milliseconds(1);  // hvdp: another rank's round waits\n"
+          "  }\n"
           "  if (sleep_duration > std::chrono::steady_clock::duration::zero()) {\n"
           "    std::unique_lock<std::mutex> lock(hvdp_wake_mutex);\n"
           "    hvdp_wake_cv.wait_for(lock, sleep_duration, [] { return hvdp_wake_pending; });\n"
@@ -95,8 +116,35 @@ EARLY_WAKE: Tuple[Patch, ...] = (
           "    std::lock_guard<std::mutex> guard(hvdp_wake_mutex);\n"
           "    hvdp_wake_pending = false;\n"
           "  }\n"
-          "  state.last_cycle_start = std::chrono::steady_clock::now();\n",
-          "the cycle's sleep becomes a wait a wake can end"),
+          "  state.last_cycle_start = std::chrono::steady_clock::now();\n"
+          "  const auto hvdp_before = HvdpQueueCounts(state);\n",
+          "the cycle's sleep becomes a wait a wake can end, or 1 ms when the last round left "
+          "this rank's tensors waiting"),
+    Patch(_OPS, "  return !should_shutdown;\n}\n",
+          "  // hvdp: unfinished tensors beyond those submitted during this round were submitted before it.\n"
+          "  const auto hvdp_after = HvdpQueueCounts(state);\n"
+          "  hvdp_left_waiting = hvdp_after.second - (hvdp_after.first - hvdp_before.first) > 0;\n"
+          "  return !should_shutdown;\n}\n",
+          "each round notes whether it left this rank's earlier tensors waiting"),
+    Patch("horovod/common/tensor_queue.h", "  void RemoveJoinTensor();\n",
+          "  void RemoveJoinTensor();\n"
+          "\n"
+          "  // hvdp: (tensors ever submitted here, tensors submitted and not yet finished).\n"
+          "  std::pair<int64_t, int64_t> HvdpCounts() const {\n"
+          "    std::lock_guard<std::mutex> guard(mutex_);\n"
+          "    return std::make_pair(hvdp_submitted_, (int64_t)tensor_table_.size());\n"
+          "  }\n"
+          "\n"
+          "protected:\n"
+          "  int64_t hvdp_submitted_ = 0;\n",
+          "the queue counts what it was given, for the early wake"),
+    Patch("horovod/common/tensor_queue.cc", "  tensor_table_.emplace(e.tensor_name, std::move(e));\n",
+          "  tensor_table_.emplace(e.tensor_name, std::move(e));\n  ++hvdp_submitted_;\n",
+          "a submitted tensor is counted"),
+    Patch("horovod/common/tensor_queue.cc",
+          "    tensor_table_.emplace(entries[i].tensor_name, std::move(entries[i]));\n",
+          "    tensor_table_.emplace(entries[i].tensor_name, std::move(entries[i]));\n    ++hvdp_submitted_;\n",
+          "a submitted group's tensors are counted"),
     Patch(_OPS, "  status = process_set.tensor_queue.AddToTensorQueueMulti(entries, messages);\n",
           "  status = process_set.tensor_queue.AddToTensorQueueMulti(entries, messages);\n"
           "  if (status.ok() && tensors.size() > 1) {\n"
