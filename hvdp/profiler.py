@@ -7,8 +7,8 @@ the time spent waiting in gradient synchronization itself, as phase ``"sync"``::
         with hvdp.profiler.phase("data"):
             x, y = next_batch()
         with hvdp.profiler.phase("compute"):
-            loss = loss_fn(model(x), y); loss.backward()
-        optimizer.step()                      # "sync" is measured in here
+            loss = loss_fn(model(x), y); loss.backward()   # "sync" is measured at its end
+        optimizer.step()
         hvdp.profiler.step(examples=len(x))
 
 Nothing is recorded unless profiling is on (``hvdp run --profile DIR`` or
@@ -86,6 +86,9 @@ def is_enabled() -> bool:
 def phase(name: str) -> Iterator[None]:
     """Time the enclosed code as phase ``name`` of the current step.
 
+    A phase inside another counts for itself only: the torch optimizer's ``"sync"``
+    (the end of ``backward()``) inside a ``"compute"`` block is taken out of ``"compute"``.
+
     Example:
         >>> with hvdp.profiler.phase("data"):  # doctest: +SKIP
         ...     x, y = next(batches)
@@ -93,12 +96,27 @@ def phase(name: str) -> Iterator[None]:
     if not is_enabled():
         yield
         return
+    with _section(name):
+        yield
+
+
+#: Seconds taken by phases nested in each open phase, innermost last.
+_open: List[float] = []
+
+
+@contextmanager
+def _section(name: str) -> Iterator[None]:
     _start_step_clock()
     start = time.perf_counter()
+    _open.append(0.0)
     try:
         yield
     finally:
-        record(name, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        nested = _open.pop()
+        if _open:
+            _open[-1] += elapsed
+        record(name, elapsed - nested)
 
 
 def record(name: str, seconds: float) -> None:
@@ -119,11 +137,8 @@ def timed(function: Callable[..., T], name: str = "sync") -> Callable[..., T]:
     def wrapper(*args: Any, **kwargs: Any) -> T:
         if not is_enabled():
             return function(*args, **kwargs)
-        start = time.perf_counter()
-        try:
+        with _section(name):
             return function(*args, **kwargs)
-        finally:
-            record(name, time.perf_counter() - start)
 
     return wrapper
 
