@@ -8,7 +8,6 @@ the torch Keras backend are wrapped by :mod:`hvdp.keras` with torch collectives.
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
@@ -19,6 +18,13 @@ import torch
 from hvdp import keras as hvdp_keras
 from hvdp import profiler
 from hvdp.backends.base import HorovodJob, reduction_plan
+from hvdp.backends.torch_gradients import (
+    broadcast_buffers_before_forward,
+    reduce_at_backward_end,
+    sleeping_synchronize,
+    wait,
+    wake,
+)
 
 
 def _map_tensors(tree: Any, to_numpy: bool) -> Any:
@@ -34,76 +40,19 @@ def _map_tensors(tree: Any, to_numpy: bool) -> Any:
     return tree
 
 
-#: Longest sleep between two polls of an unfinished collective (seconds).
-_POLL_MAX_SLEEP = 0.0005
-
-
-def _wait(handle: Any) -> None:
-    """Block until the collective of ``handle`` is done, sleeping between polls.
-
-    Horovod's own wait (``horovod_torch_wait_and_clear``) spins on ``sched_yield``,
-    which keeps a core busy for the whole allreduce; with one compute thread per
-    rank on a small CPU machine that core is the one Horovod's background thread
-    and Gloo need. Polling with short sleeps (50 us, doubling up to 0.5 ms) frees it.
-    """
-    pause = 0.00005
-    try:
-        while not hvd.poll(handle):
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_MAX_SLEEP)
-    except Exception:  # an unknown or failed handle: synchronize() reports it, as Horovod does
-        return
-
-
-def _find_wake() -> Callable[[], None]:
-    """The early wake of Horovod's background loop (:data:`hvdp.horovod_build.patches.EARLY_WAKE`).
-
-    Called once everything a caller will wait for is enqueued (a step's gradients, a
-    blocking collective): the loop starts its next round now instead of at the end
-    of HOROVOD_CYCLE_TIME. A no-op with a build without it; ``HVDP_EARLY_WAKE=0`` is
-    read by the build's C side, which then ignores the call.
-    """
-    wake = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_wake_loop", None)
-    if wake is None:
-        return lambda: None
-    wake.argtypes, wake.restype = [], None
-    return wake
-
-
-_wake = _find_wake()
-
-
 def _complete(handle: Any) -> Any:
     """The result of the collective of ``handle``, enqueued by a caller that now blocks for it.
 
-    Nothing else is coming from this caller: wake Horovod's loop, then wait with :func:`_wait`.
+    Nothing else is coming from this caller: wake Horovod's loop, then wait with :func:`wait`.
     """
-    _wake()
-    _wait(handle)
+    wake()
+    wait(handle)
     return hvd.synchronize(handle)
 
 
 def _differentiable(tensor: torch.Tensor) -> bool:
     """Whether a collective on ``tensor`` must go through Horovod's autograd op (no handle to wait on)."""
     return tensor.requires_grad and torch.is_grad_enabled()
-
-
-def _sleeping_synchronize(optimizer: Any) -> Any:
-    """``optimizer.synchronize`` that wakes Horovod's loop, then waits for the gradient allreduces with :func:`_wait`.
-
-    By ``step()`` (which calls it) backward has enqueued every gradient: the wake
-    saves the rest of the cycle the last ones would otherwise wait out.
-    """
-    synchronize = optimizer.synchronize
-
-    def wait_then_synchronize() -> Any:
-        _wake()
-        for handle, _ in list(optimizer._handles.values()):
-            if handle is not None and not callable(handle):
-                _wait(handle)
-        return synchronize()
-
-    return wait_then_synchronize
 
 
 #: dtypes that travel through Horovod's broadcast; optimizer state of any other dtype is pickled.
@@ -217,6 +166,7 @@ class Backend(HorovodJob):
         backward_passes_per_step: int,
         gradient_predivide_factor: float,
         process_set: Any,
+        broadcast_buffers: bool = True,
     ) -> Any:
         horovod_set = self._set(process_set)
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -229,6 +179,8 @@ class Backend(HorovodJob):
                         f"let Horovod name them by position."
                     )
                 named = list(model.named_parameters())
+                if broadcast_buffers:
+                    broadcast_buffers_before_forward(model, 0, horovod_set)
             wrapped = hvd.DistributedOptimizer(
                 optimizer,
                 named_parameters=named,
@@ -239,9 +191,11 @@ class Backend(HorovodJob):
                 process_set=horovod_set,
             )
             _share_state(wrapped, optimizer)
-            # step() waits for the gradient allreduces in synchronize(): that wait is phase "sync".
-            wrapped.synchronize = profiler.timed(_sleeping_synchronize(wrapped))
-            return wrapped
+            # The wait for the gradient allreduces in synchronize() is phase "sync".
+            wrapped.synchronize = profiler.timed(sleeping_synchronize(wrapped))
+            if op == "adasum":  # Adasum reduces the update inside step(), not the gradients
+                return wrapped
+            return reduce_at_backward_end(wrapped)
         if hvdp_keras.is_keras_optimizer(optimizer):
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
@@ -263,6 +217,22 @@ class Backend(HorovodJob):
             f"optimizer (KERAS_BACKEND=torch), got {type(optimizer).__module__}."
             f"{type(optimizer).__name__}."
         )
+
+    def on_step(self, optimizer: Any, callback: Callable[[Callable[[], List[Tuple[str, Any]]]], None]) -> bool:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return False  # a Keras optimizer on the torch Keras backend
+        names = getattr(optimizer, "_parameter_names", {})
+        parameters = [(names.get(p, f"param_groups.{i}.{j}"), p)
+                      for i, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
+        step = optimizer.step
+
+        def step_then_call(*args: Any, **kwargs: Any) -> Any:
+            result = step(*args, **kwargs)
+            callback(lambda: [(name, p.detach().cpu().numpy()) for name, p in parameters])
+            return result
+
+        optimizer.step = step_then_call  # type: ignore[method-assign]
+        return True
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
         horovod_set = self._set(process_set)

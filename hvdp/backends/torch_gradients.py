@@ -1,0 +1,214 @@
+"""torch's gradient path: gradients averaged when ``backward()`` returns, as under DDP.
+
+Horovod's DistributedOptimizer starts each gradient's allreduce from a hook as
+backward produces it, and waits for them in ``step()``. Everything a script puts
+between ``backward()`` and ``step()`` (``clip_grad_norm_``, AMP's ``unscale_``,
+gradient-norm logging) then sees this rank's own gradient, not the global one a DDP
+user expects. :func:`reduce_at_backward_end` keeps Horovod's hooks (the overlap of
+communication with the rest of backward) and adds one callback at the end of each
+backward pass (autograd's ``queue_callback``, where DDP's reducer finishes too) that
+waits for the allreduces and writes the averages into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator
+
+import horovod.torch as hvd
+import torch
+
+#: Longest sleep between two polls of an unfinished collective (seconds).
+_POLL_MAX_SLEEP = 0.0005
+
+
+def wait(handle: Any) -> None:
+    """Block until the collective of ``handle`` is done, sleeping between polls.
+
+    Horovod's own wait (``horovod_torch_wait_and_clear``) spins on ``sched_yield``,
+    which keeps a core busy for the whole allreduce; with one compute thread per
+    rank on a small CPU machine that core is the one Horovod's background thread
+    and Gloo need. Polling with short sleeps (50 us, doubling up to 0.5 ms) frees it.
+    """
+    pause = 0.00005
+    try:
+        while not hvd.poll(handle):
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_SLEEP)
+    except Exception:  # an unknown or failed handle: synchronize() reports it, as Horovod does
+        return
+
+
+def _find_wake() -> Callable[[], None]:
+    """The early wake of Horovod's background loop (:data:`hvdp.horovod_build.patches.EARLY_WAKE`).
+
+    Called once everything a caller will wait for is enqueued (a step's gradients, a
+    blocking collective): the loop starts its next round now instead of at the end
+    of HOROVOD_CYCLE_TIME. A no-op with a build without it; ``HVDP_EARLY_WAKE=0`` is
+    read by the build's C side, which then ignores the call.
+    """
+    found = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_wake_loop", None)
+    if found is None:
+        return lambda: None
+    found.argtypes, found.restype = [], None
+    return found
+
+
+wake = _find_wake()
+
+
+def sleeping_synchronize(optimizer: Any) -> Any:
+    """``optimizer.synchronize`` that wakes Horovod's loop, then waits for the gradient allreduces with :func:`wait`.
+
+    By the end of backward (or ``step()``) every gradient is enqueued: the wake
+    saves the rest of the cycle the last ones would otherwise wait out.
+    """
+    synchronize = optimizer.synchronize
+
+    def wait_then_synchronize() -> Any:
+        wake()
+        for handle, _ in list(optimizer._handles.values()):
+            if handle is not None and not callable(handle):
+                wait(handle)
+        return synchronize()
+
+    return wait_then_synchronize
+
+
+class _Passes:
+    """Where one optimizer stands in its backward passes."""
+
+    def __init__(self, passes_per_step: int) -> None:
+        self.passes_per_step = passes_per_step
+        self.passes = 0  # backward passes since the last reduction (no_sync passes not counted)
+        self.queued = False  # the end-of-backward callback is queued for the pass now running
+        self.reduced = False  # .grad holds averages: nothing to reduce until the next backward
+        self.local = False  # inside no_sync()
+
+
+def reduce_at_backward_end(optimizer: Any) -> Any:
+    """Give Horovod's torch ``optimizer`` DDP's gradient semantics; returns it.
+
+    - At the end of each backward pass that completes ``backward_passes_per_step``
+      passes, the gradient allreduces are waited for and ``.grad`` holds the averages.
+    - ``synchronize()`` and ``step()`` never reduce twice: after a reduction they
+      only apply (Horovod's ``synchronize(); ...; with skip_synchronize(): step()``
+      form works as before).
+    - ``optimizer.no_sync()``: backward passes inside it accumulate locally; the first
+      pass after it reduces the sum (DDP's ``no_sync``).
+
+    A one-process job (Horovod registers no hooks) is left as it is, with a ``no_sync``
+    that does nothing.
+    """
+    state = _Passes(optimizer.backward_passes_per_step)
+    optimizer._hvdp_passes = state
+    synchronize, step, load_state_dict = optimizer.synchronize, optimizer.step, optimizer.load_state_dict
+
+    def synchronize_once() -> Any:
+        if state.reduced:
+            return None
+        result = synchronize()
+        state.reduced, state.passes = True, 0
+        return result
+
+    def end_of_backward() -> None:
+        state.queued = False
+        if state.local:
+            return
+        state.passes += 1
+        if state.passes >= state.passes_per_step:
+            synchronize_once()
+
+    def pass_started(*_: Any) -> None:
+        if not state.queued:
+            state.queued, state.reduced = True, False
+            torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
+
+    def step_once(closure: Any = None) -> Any:
+        if state.reduced or not optimizer._should_synchronize:
+            with optimizer.skip_synchronize():
+                result = step(closure)
+        else:  # fewer passes than backward_passes_per_step, or none: Horovod reduces what there is
+            result = step(closure)
+        state.reduced = True  # the update is applied: no reduction again until the next backward
+        return result
+
+    def load_state_dict_resetting(*args: Any, **kwargs: Any) -> Any:
+        state.passes, state.queued, state.reduced = 0, False, False
+        return load_state_dict(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        """Backward passes in this block accumulate ``.grad`` locally; the next one outside reduces the sum.
+
+        Example:
+            >>> with opt.no_sync():  # doctest: +SKIP
+            ...     loss_fn(model(x0), y0).backward()  # local only
+            >>> loss_fn(model(x1), y1).backward()  # doctest: +SKIP
+            >>> opt.step()  # doctest: +SKIP
+        """
+        if state.local:
+            raise RuntimeError("optimizer.no_sync() blocks do not nest; leave the open one first.")
+        # Horovod's hooks start a gradient's allreduce when its countdown reaches 0: keep it above.
+        delays = optimizer._allreduce_delay
+        state.local = True
+        for parameter in delays:
+            delays[parameter] += 1 << 40
+        try:
+            yield
+        finally:
+            state.local = False
+            for parameter in delays:
+                delays[parameter] = optimizer.backward_passes_per_step
+            for key in [key for key, (handle, _) in optimizer._handles.items() if handle is None]:
+                del optimizer._handles[key]
+            state.passes = 0
+
+    optimizer.no_sync = no_sync
+    if not optimizer._grad_accs:  # one process: nothing to reduce
+        return optimizer
+    optimizer.synchronize, optimizer.step = synchronize_once, step_once
+    optimizer.load_state_dict = load_state_dict_resetting
+    for accumulator in optimizer._grad_accs:
+        accumulator.register_hook(pass_started)
+    return optimizer
+
+
+def broadcast_buffers_before_forward(model: torch.nn.Module, root_rank: int, process_set: Any) -> None:
+    """DDP's ``broadcast_buffers=True``: before each forward in training mode, ``root_rank``'s buffers.
+
+    BatchNorm's running statistics are updated by each replica's forward from its own
+    batch; without this they differ between replicas, and so does an evaluated or
+    saved model. As under DDP, the forward then updates them from the local batch:
+    a forward in training mode is a collective (every rank runs the same number).
+    A model without buffers gets no hook.
+    """
+    buffers = [buffer for _, buffer in model.named_buffers() if buffer.numel() > 0]
+    if not buffers:
+        return
+    # One broadcast per dtype, of all of its buffers end to end (as DDP coalesces them): resnet18's
+    # 60 BatchNorm buffers one by one took 60 rounds of Horovod's loop per forward.
+    by_dtype: dict = {}
+    for buffer in buffers:
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    groups = sorted(by_dtype.items(), key=lambda item: str(item[0]))
+
+    def before_forward(module: torch.nn.Module, _inputs: Any) -> None:
+        if not module.training:
+            return
+        with torch.no_grad():
+            flats = [torch.cat([buffer.reshape(-1) for buffer in group]) for _, group in groups]
+            handles = [hvd.broadcast_async_(flat, root_rank, name=f"hvdp.buffers.{dtype}", process_set=process_set)
+                       for (dtype, _), flat in zip(groups, flats)]
+            wake()
+            for handle in handles:
+                wait(handle)
+                hvd.synchronize(handle)
+            for (_, group), flat in zip(groups, flats):
+                offset = 0
+                for buffer in group:
+                    buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
+                    offset += buffer.numel()
+
+    model.register_forward_pre_hook(before_forward)
