@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from hvdp import _framework, elastic, profiler
+from hvdp import _framework, _keras_jobs, elastic, profiler
 from hvdp import arguments as _args
 from hvdp import checkpoint as _checkpoint
 from hvdp import consistency as _consistency
@@ -178,6 +178,8 @@ def DistributedOptimizer(
     backward_passes_per_step: int = 1,
     gradient_predivide_factor: float = 1.0,
     process_set: Optional[ProcessSet] = None,
+    check_every: Optional[int] = None,
+    broadcast_buffers: bool = True,
 ) -> Any:
     """Wrap an optimizer so every step uses gradients reduced across all processes (or a process set).
 
@@ -191,6 +193,17 @@ def DistributedOptimizer(
             this factor before summing and by ``size()/factor`` after.
         process_set: reduce only within this :class:`ProcessSet` (its members
             train one model; "average" divides by the set's size).
+        check_every: the drift guard's interval (torch optimizers): after step 1 and
+            every N steps the replicas' parameters are compared, and any difference
+            raises :class:`ReplicaMismatchError`. None: ``HVDP_CHECK_EVERY``, else 100;
+            0 turns it off.
+        broadcast_buffers: torch with ``model``: before each forward in training mode
+            every replica takes rank 0's buffers (BatchNorm running statistics), as
+            DDP's default does; False keeps them per replica.
+
+    With torch, gradients are averaged when ``backward()`` returns (as under DDP), so
+    clipping or AMP's ``unscale_`` between ``backward()`` and ``step()`` sees the
+    global gradient; ``opt.no_sync()`` keeps the backward passes inside it local.
 
     Returns:
         The optimizer to use: same class name and ``isinstance`` as the input.
@@ -203,7 +216,8 @@ def DistributedOptimizer(
     _args.check_op(op, backend, process_set)
     _args.check_choice("compression", compression, COMPRESSIONS)
     _args.check_optimizer_options(op, backward_passes_per_step, gradient_predivide_factor)
-    return backend.distributed_optimizer(
+    every = _consistency.check_every(check_every)
+    wrapped = backend.distributed_optimizer(
         optimizer,
         model,
         op=op,
@@ -211,7 +225,15 @@ def DistributedOptimizer(
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=float(gradient_predivide_factor),
         process_set=handle,
+        broadcast_buffers=bool(broadcast_buffers),
     )
+    ranks = _process_sets.members(process_set, "DistributedOptimizer")
+    if every and len(ranks) > 1:
+        guard = _consistency.DriftGuard(lambda obj: backend.allgather_object(obj, handle), ranks, every,
+                                        whole_job=process_set is None)
+        if not backend.on_step(wrapped, guard.after_step) and _keras_jobs.is_keras_optimizer(wrapped):
+            _keras_jobs.attach_guard(wrapped, guard.after_step, backend.named_parameters)
+    return wrapped
 
 
 def broadcast_state(

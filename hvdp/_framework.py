@@ -17,8 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-from hvdp import failures
-from hvdp.errors import FrameworkError, NotInitializedError, ProcessSetError
+from hvdp import _keras_jobs, consistency, failures
+from hvdp.errors import FrameworkError, NotInitializedError, ProcessSetError, ReplicaMismatchError
 
 if TYPE_CHECKING:
     from hvdp.backends.base import Backend
@@ -214,16 +214,36 @@ def activate(
         state.backend = load_backend(name)
     handles = state.backend.init(comm, [list(ranks) for ranks in process_sets], dynamic)
     state.generation += 1
+    _keras_jobs.when_imported(_keras_in_jobs)
     if not state.exit_handler:  # after Horovod's own exit handler, so that it runs before it
         atexit.register(_at_exit)
         state.exit_handler = True
     return handles
 
 
+def _keras_in_jobs() -> None:
+    """Inside a job, ``keras.models.load_model`` gives back an optimizer that still averages, and
+    ``fit`` runs the drift guard."""
+
+    def wrap(optimizer: Any) -> Any:
+        return importlib.import_module("hvdp").DistributedOptimizer(optimizer)
+
+    def distributed_job() -> bool:
+        backend = _job.backend
+        return backend is not None and backend.is_initialized() and backend.size() > 1
+
+    _keras_jobs.rewrap_loaded_optimizers(wrap, distributed_job)
+    _keras_jobs.guard_fits()
+
+
 def _at_exit() -> None:
     """At interpreter exit: shut down, waiting for every rank unless this one dies of an exception."""
     failed = getattr(sys, "last_value", None) is not None
-    deactivate(join=not failed)
+    try:
+        deactivate(join=not failed)
+    except ReplicaMismatchError as exc:  # ranks took different numbers of steps: say so, and fail
+        print(f"hvdp: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def generation() -> int:
@@ -251,5 +271,14 @@ def deactivate(join: bool = True) -> None:
     """Shut Horovod down (with ``join``: once every rank gets here); the backend stays loaded for init()."""
     state = _job
     if state.backend is not None and state.backend.is_initialized():
-        state.backend.shutdown(join)
-        state.generation += 1
+        backend, uneven = state.backend, []
+
+        def compare_steps() -> None:  # every rank has joined: one collective is safe here
+            uneven.extend(consistency.uneven_steps(backend))
+
+        try:
+            backend.shutdown(join, on_joined=compare_steps)
+        finally:
+            state.generation += 1
+        if uneven:
+            raise ReplicaMismatchError(uneven[0])

@@ -3,12 +3,18 @@
 Each rank digests every parameter; the digests (not the tensors) are gathered, and
 each rank that differs from the first member is named with its first differing
 parameters. Framework-neutral: the backend lists the parameters and gathers.
+
+The drift guard (:class:`DriftGuard`) runs the same check by itself: after the first
+step of every :func:`hvdp.DistributedOptimizer` and every ``HVDP_CHECK_EVERY`` steps
+after it (100 unless set; 0 turns it off), so replicas that part for any reason stop
+the job with the step, the ranks, the first differing parameter and the likely causes.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, List, Tuple
+import os
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -38,13 +44,14 @@ def problems(everyone: List[List[Digest]], ranks: List[int]) -> List[str]:
     reference = everyone[0]
     found = []
     for rank, theirs in zip(ranks, everyone):
-        if theirs == reference:
+        if [(s, d) for _, s, d in theirs] == [(s, d) for _, s, d in reference]:
             continue
-        if [(n, s) for n, s, _ in theirs] != [(n, s) for n, s, _ in reference]:
+        # By position and shape: Keras's automatic layer names may differ between processes.
+        if [s for _, s, _ in theirs] != [s for _, s, _ in reference]:
             found.append(f"rank {rank} has a different architecture ({len(theirs)} parameters vs "
                          f"{len(reference)} on rank {ranks[0]})")
             continue
-        differing = [n for (n, _, d), (_, _, d0) in zip(theirs, reference) if d != d0]
+        differing = [n for (_, _, d), (n, _, d0) in zip(theirs, reference) if d != d0]  # rank 0's names
         found.append(f"rank {rank} ({len(differing)} of {len(reference)} parameters differ, e.g. "
                      f"{', '.join(differing[:3])})")
     return found
@@ -61,3 +68,91 @@ def check(backend: Any, model: Any, handle: Any, ranks: List[int]) -> None:
             "Start every replica with hvdp.broadcast_state(model, optimizer) and step with "
             "hvdp.DistributedOptimizer."
         )
+
+
+#: Steps between two drift checks unless ``HVDP_CHECK_EVERY`` says otherwise.
+DEFAULT_CHECK_EVERY = 100
+
+#: What makes replicas part, and the fix of each, in the order they are met in practice.
+LIKELY_CAUSES = (
+    "replicas not started from one state: call hvdp.broadcast_state(model, optimizer) before the first step",
+    "parameters changed outside the optimizer on some ranks only (a rank-dependent update or random draw)",
+    "an optimizer that does not average: a Keras model loaded with keras.models.load_model gets a plain "
+    "optimizer back, wrap it again with hvdp.DistributedOptimizer",
+    "ranks that took different numbers of steps (uneven data): give every rank the same number of batches "
+    "(hvdp.shard) or use join",
+)
+
+
+def check_every(value: Optional[int]) -> int:
+    """The drift guard's interval in steps: ``value``, else ``HVDP_CHECK_EVERY``, else 100 (0: off).
+
+    Always 0 in an elastic job: its state is synced at every reset, and a worker added
+    later counts its steps from 0 while the others are further on.
+
+    Example:
+        >>> check_every(10)
+        10
+    """
+    source = "check_every"
+    if value is None:
+        raw = os.environ.get("HVDP_CHECK_EVERY")
+        source = "HVDP_CHECK_EVERY"
+        try:
+            value = DEFAULT_CHECK_EVERY if raw is None else int(raw)
+        except ValueError:
+            value = -1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        shown = os.environ.get("HVDP_CHECK_EVERY") if source == "HVDP_CHECK_EVERY" else value
+        raise ValueError(f"{source}={shown!r}: expected a whole number of steps >= 0 "
+                         f"(0 turns the drift check off; default {DEFAULT_CHECK_EVERY}).")
+    return 0 if os.environ.get("HOROVOD_ELASTIC") == "1" else value
+
+
+class DriftGuard:
+    """Compares every replica's parameters after step 1 and every ``every`` steps (a collective).
+
+    ``gather`` is the backend's ``allgather_object`` over the optimizer's ranks; each
+    rank calls :meth:`after_step` once per update, so all ranks check at the same steps.
+    """
+
+    def __init__(self, gather: Callable[[Any], List[Any]], ranks: List[int], every: int, whole_job: bool) -> None:
+        self.gather, self.ranks, self.every, self.steps, self.whole_job = gather, ranks, every, 0, whole_job
+
+    def after_step(self, parameters: Callable[[], List[Tuple[str, np.ndarray]]]) -> None:
+        self.steps += 1
+        if self.whole_job:
+            _job_steps[0] += 1
+        if self.every and (self.steps == 1 or self.steps % self.every == 0):
+            self.check(parameters())
+
+    def check(self, parameters: List[Tuple[str, np.ndarray]]) -> None:
+        found = problems(self.gather(digests(parameters)), self.ranks)
+        if found:
+            causes = "; ".join(f"({i}) {cause}" for i, cause in enumerate(LIKELY_CAUSES, 1))
+            raise ReplicaMismatchError(
+                f"Replicas drifted apart by step {self.steps}: compared with rank {self.ranks[0]}, "
+                f"{'; '.join(found)}. Likely causes: {causes}. This check runs after step 1 and every "
+                f"{self.every} steps (HVDP_CHECK_EVERY=N to change, 0 to turn it off)."
+            )
+
+
+#: Updates taken by this rank's whole-job DistributedOptimizers (counted by their drift guards).
+_job_steps = [0]
+
+
+def uneven_steps(backend: Any) -> List[str]:
+    """At shutdown, once every rank has joined: a line naming each rank's step count if they differ.
+
+    A rank that ran out of data first waited in Horovod's join while the others
+    stepped without it: their last updates averaged fewer replicas, and the model
+    is no longer the same on every rank.
+    """
+    counts = backend.allgather_object(_job_steps[0], None)
+    _job_steps[0] = 0
+    if len(set(counts)) <= 1:
+        return []
+    shown = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
+    return [f"The ranks took different numbers of optimizer steps ({shown}), so their models differ. "
+            "Give every rank the same number of batches (hvdp.shard(..., drop_remainder=True), or a "
+            "DistributedSampler with drop_last=True)."]

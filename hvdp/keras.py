@@ -13,16 +13,10 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from hvdp._keras_jobs import is_distributed, is_keras_optimizer
+
 ReduceFn = Callable[[List[Any]], List[Any]]
 BroadcastFn = Callable[[Any, int, str], Any]
-
-
-def is_keras_optimizer(obj: object) -> bool:
-    """True for a Keras 3 optimizer (checked without importing Keras)."""
-    keras = sys.modules.get("keras")
-    optimizers = getattr(keras, "optimizers", None)
-    base = getattr(optimizers, "Optimizer", None)
-    return base is not None and isinstance(obj, base)
 
 
 def is_keras_model(obj: object) -> bool:
@@ -51,7 +45,7 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
         >>> opt = wrap_optimizer(keras.optimizers.SGD(0.1), reduce_fn)  # doctest: +SKIP
     """
     cls = optimizer.__class__
-    if getattr(cls, "_hvdp_distributed", False):
+    if is_distributed(optimizer):
         raise ValueError(
             f"This {cls.__name__} optimizer is already an hvdp.DistributedOptimizer; "
             "wrap the original optimizer once."

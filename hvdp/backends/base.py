@@ -60,8 +60,11 @@ class Backend(Protocol):
     def add_process_set(self, ranks: List[int]) -> Any:
         """Register a process set while running; its handle, or None if one with these ranks exists."""
 
-    def shutdown(self, join: bool = True) -> None:
-        """Shut Horovod down; with ``join``, first wait until every rank is done with its collectives."""
+    def shutdown(self, join: bool = True, on_joined: Optional[Callable[[], None]] = None) -> None:
+        """Shut Horovod down; with ``join``, first wait until every rank is done with its collectives.
+
+        ``on_joined`` runs once every rank has joined, before the shutdown (a collective may run there).
+        """
 
     def is_initialized(self) -> bool:
         """True between ``init()`` and ``shutdown()``."""
@@ -97,8 +100,16 @@ class Backend(Protocol):
         backward_passes_per_step: int,
         gradient_predivide_factor: float,
         process_set: Any,
+        broadcast_buffers: bool = True,
     ) -> Any:
         """Wrap ``optimizer`` so each step reduces gradients across the processes of ``process_set``."""
+
+    def on_step(self, optimizer: Any, callback: Callable[[Callable[[], List[Tuple[str, Any]]]], None]) -> bool:
+        """Call ``callback(parameters)`` after each update of ``optimizer`` (False: this optimizer can't).
+
+        ``parameters()`` lists the optimizer's (name, NumPy array) pairs; the drift guard
+        calls it only on the steps it checks.
+        """
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
         """Overwrite parameters (and optimizer state) with those of ``root_rank``."""
@@ -163,7 +174,7 @@ class HorovodJob:
                 return None
             raise
 
-    def shutdown(self, join: bool = True) -> None:
+    def shutdown(self, join: bool = True, on_joined: Optional[Callable[[], None]] = None) -> None:
         # Horovod's shutdown on one rank ends the job's collectives on every rank, so a rank
         # that finishes first (a process set with less work) would break the others' next
         # collective. join() waits, taking part in no collective and never tripping the stall
@@ -174,6 +185,13 @@ class HorovodJob:
                 self._hvd.join()
             except Exception:  # the job is ending abnormally (a rank died): shut down regardless
                 pass
+            else:
+                try:
+                    if on_joined is not None:
+                        on_joined()
+                finally:
+                    self._hvd.shutdown()
+                return
         self._hvd.shutdown()
 
     def is_initialized(self) -> bool:

@@ -9,6 +9,7 @@ work both eagerly and inside ``tf.function`` (``model.fit``).
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import horovod.tensorflow as hvd
@@ -79,6 +80,9 @@ def _timed_in_graph(reduce: Any) -> Any:
     return timed
 
 
+#: Numbers the Keras optimizers hvdp wraps in this process, in creation order (the same on every rank).
+_OPTIMIZER_NUMBERS = itertools.count()
+
 class Backend(HorovodJob):
     """hvdp's contract (:class:`hvdp.backends.base.Backend`) on TensorFlow/Keras 3."""
 
@@ -95,6 +99,7 @@ class Backend(HorovodJob):
         backward_passes_per_step: int,
         gradient_predivide_factor: float,
         process_set: Any,
+        broadcast_buffers: bool = True,
     ) -> Any:
         if not hvdp_keras.is_keras_optimizer(optimizer):
             raise TypeError(
@@ -111,18 +116,26 @@ class Backend(HorovodJob):
         size = self.size() if process_set is None else int(process_set.size())
         name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
         horovod_op, comp, horovod_set = self._op(name), self._compression(compression), self._set(process_set)
+        # Named by the optimizer's number, not (as Horovod does) after the gradient ops, whose
+        # names follow Keras's layer-name counters: a model built on one rank only (a teacher, an
+        # evaluation copy) shifts those on that rank, and the ranks' tensors would never match.
+        label = f"hvdp.gradients.{next(_OPTIMIZER_NUMBERS)}"
 
         def reduce(tensors: List[Any]) -> List[Any]:
             _refuse_xla()
             tensors = [tf.convert_to_tensor(t) for t in tensors]
             if name == "adasum":
-                return [hvd.allreduce(t, op=horovod_op, compression=comp) for t in tensors]
+                return [hvd.allreduce(t, op=horovod_op, compression=comp, name=f"{label}.{i}", ignore_name_scope=True)
+                        for i, t in enumerate(tensors)]
             return list(hvd.grouped_allreduce(
-                tensors, op=horovod_op, compression=comp,
+                tensors, op=horovod_op, compression=comp, name=label, ignore_name_scope=True,
                 prescale_factor=prescale, postscale_factor=postscale, process_set=horovod_set,
             ))
 
         return _timed_in_graph(reduce)
+
+    def on_step(self, optimizer: Any, callback: Callable[[Callable[[], List[Tuple[str, Any]]]], None]) -> bool:
+        return False  # Keras updates run inside compiled train steps: check_consistency() checks them
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
         horovod_set = self._set(process_set)

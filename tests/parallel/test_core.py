@@ -90,3 +90,14 @@ def test_tensorflow_allreduce(tf_job):
     for r in tf_job.ranks:
         assert r["allreduce_tensor"] == pytest.approx([0.5, 0.5])
         assert r["allreduce_number"] == pytest.approx(1.5)
+
+
+def test_ranks_that_took_different_numbers_of_steps_fail_the_job_naming_each_count(tmp_path):
+    from harness import WORKERS, run_job
+
+    job = run_job(["--gloo", "--framework", "torch", str(WORKERS / "uneven_steps.py")], tmp_path)
+    assert [r["steps"] for r in job.ranks] == [5, 4]  # both ranks got to the end of their loop
+    assert job.returncode != 0, job.output[-3000:]
+    line = "The ranks took different numbers of optimizer steps (rank 0: 5, rank 1: 4)"
+    assert line in job.output, job.output[-3000:]
+    assert "drop_remainder=True" in job.output

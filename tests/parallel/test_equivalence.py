@@ -117,3 +117,44 @@ def test_torch_sparse_gradients_missing_gradients_and_sync_batch_norm(torch_job)
         assert rank["missing_grads"]["seconds"] < 30
     assert len({r["sparse"]["digest"] for r in job.ranks}) == 1
     assert len({r["missing_grads"]["digest"] for r in job.ranks}) == 1
+
+
+@pytest.mark.parametrize("form", ["clip", "horovod_sum", "amp", "no_sync"])
+def test_torch_step_forms_see_averaged_gradients_when_backward_returns(torch_job, form):
+    """DDP's step forms (clip after backward, AMP's unscale_, no_sync accumulation) and Horovod's
+    synchronize()/skip_synchronize() form with op="sum" (a second reduction would double it)."""
+    reports = [rank["step_forms"][form] for rank in torch_job.ranks]
+    for result in reports:
+        assert result["close"], f"{form}: max abs diff to one process {result['max_abs']}"
+        if form != "no_sync":  # clipping was active, on the global norm one process sees
+            assert min(result["ref_norms"]) > 0.1, result["ref_norms"]
+            assert result["norms"] == pytest.approx(result["ref_norms"], rel=1e-5)
+    assert len({r["digest"] for r in reports}) == 1, "replicas differ"
+    # Every rank holds the same (averaged) gradients as soon as backward() returns...
+    assert [r["grads"] for r in reports[1:]] == [reports[0]["grads"]] * (len(reports) - 1)
+    if form == "no_sync":  # ...but inside no_sync() each rank keeps its own
+        assert all(a != b for a, b in zip(reports[0]["local"], reports[1]["local"]))
+
+
+def test_torch_drift_guard_stops_replicas_that_part_naming_step_ranks_and_causes(torch_job):
+    for rank in torch_job.ranks:
+        guard = rank["drift_guard"]
+        # No broadcast_state: different start, caught after step 1 (the step never returns).
+        assert guard["no_broadcast"]["steps"] == 0, guard
+        assert "by step 1" in guard["no_broadcast"]["raised"]
+        assert "rank 1 (4 of 4 parameters differ, e.g. 0.weight, 0.bias, 2.weight)" in guard["no_broadcast"]["raised"]
+        assert "hvdp.broadcast_state(model, optimizer)" in guard["no_broadcast"]["raised"]
+        assert "HVDP_CHECK_EVERY" in guard["no_broadcast"]["raised"]
+        # One rank changes a parameter after step 2: caught at step 4 (every 2), naming that parameter.
+        assert guard["rank_only_update"]["steps"] == 3, guard
+        assert "by step 4" in guard["rank_only_update"]["raised"]
+        assert "rank 1 (1 of 4 parameters differ, e.g. 2.bias)" in guard["rank_only_update"]["raised"]
+        # Off: the same drift trains on (what check_every=0 asks for).
+        assert guard["off"] == {"raised": None, "steps": 5}
+
+
+def test_torch_buffers_are_rank_0s_before_each_training_forward_unless_turned_off(torch_job):
+    kept_equal = {rank["buffers"]["True"] for rank in torch_job.ranks}
+    per_rank = {rank["buffers"]["False"] for rank in torch_job.ranks}
+    assert len(kept_equal) == 1, "broadcast_buffers=True (the default): running statistics differ"
+    assert len(per_rank) == len(torch_job.ranks), "broadcast_buffers=False: each rank should keep its own"

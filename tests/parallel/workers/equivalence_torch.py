@@ -8,6 +8,7 @@ bad input.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -125,6 +126,115 @@ def equivalence(rank: int, size: int) -> dict:
                     "moved": float(np.max(np.abs(got - flat(make_model(kind))))),
                 }
     return results
+
+
+def step_forms(rank: int, size: int) -> dict:
+    """The step forms of DDP and Horovod scripts: each equals one process on the whole batch.
+
+    Gradients are averaged when ``backward()`` returns, so whatever runs between
+    ``backward()`` and ``step()`` (clipping, AMP's unscale) sees the global gradient.
+    """
+    data, max_norm = batches(size), 0.1  # well below the gradients' norm: every step clips
+    out: dict = {}
+
+    def run(form: str, distributed: bool) -> tuple:
+        model = make_model("cnn", seed=rank if distributed else 0)
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if distributed:
+            opt = hvdp.DistributedOptimizer(base, model, **({"op": "sum"} if form == "horovod_sum" else {}))
+            hvdp.broadcast_state(model, opt)
+        else:
+            opt = base
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if form == "amp" else None
+        seen = {"norms": [], "grads_equal_after_backward": [], "local_inside_no_sync": []}
+        for step in data:
+            parts = [step[rank]] if distributed else step
+            opt.zero_grad()
+            if form == "no_sync":
+                for x, y in parts:
+                    half = len(x) // 2
+                    context = opt.no_sync() if distributed else contextlib.nullcontext()
+                    with context:
+                        (loss_of(model, x[:half], y[:half]) / (1 if distributed else size)).backward()
+                    if distributed:
+                        seen["local_inside_no_sync"].append(grad_digest(model))
+                    (loss_of(model, x[half:], y[half:]) / (1 if distributed else size)).backward()
+            else:
+                scale = 1 if form == "horovod_sum" else (1 if distributed else size)
+                loss = sum(loss_of(model, x, y) for x, y in parts) / scale
+                (scaler.scale(loss) if scaler else loss).backward()
+            if distributed:
+                seen["grads_equal_after_backward"].append(grad_digest(model))
+            if scaler:
+                scaler.unscale_(opt)
+            if form == "horovod_sum" and distributed:
+                opt.synchronize()  # Horovod's form: reduced once, never twice
+            if form != "no_sync":
+                seen["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            elif form == "horovod_sum" and distributed:
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+        return flat(model), seen
+
+    for form in ("clip", "horovod_sum", "amp", "no_sync"):
+        got, seen = run(form, True)
+        ref, ref_seen = run(form, False)
+        out[form] = {**compare(got, ref), "digest": digest(got), "norms": seen["norms"],
+                     "ref_norms": ref_seen["norms"], "grads": seen["grads_equal_after_backward"],
+                     "local": seen["local_inside_no_sync"]}
+    return out
+
+
+def grad_digest(model: torch.nn.Module) -> str:
+    return digest(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+
+
+def drift_guard(rank: int, size: int) -> dict:
+    """Each way replicas part, with its fix left out, stops at the guard's next check (every 2 steps here)."""
+    out = {}
+    for case in ("no_broadcast", "rank_only_update", "off"):
+        model = make_model("mlp", seed=rank if case in ("no_broadcast", "off") else 0)
+        opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                        check_every=0 if case == "off" else 2)
+        steps_taken = 0
+        try:
+            for i, step in enumerate(batches(size)):
+                if case == "rank_only_update" and i == 2 and rank == 1:
+                    with torch.no_grad():
+                        model[2].bias[0] += 1e-6  # e.g. a rank-only helper touching the model
+                x, y = step[rank]
+                opt.zero_grad()
+                loss_of(model, x, y).backward()
+                opt.step()
+                steps_taken += 1
+            out[case] = {"raised": None, "steps": steps_taken}
+        except hvdp.ReplicaMismatchError as exc:
+            out[case] = {"raised": str(exc), "steps": steps_taken}
+    return out
+
+
+def buffers(rank: int, size: int) -> dict:
+    """BatchNorm's running statistics: rank 0's before each training forward (DDP's default), or per rank."""
+    out = {}
+    for choice in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, CLASSES))
+        opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, broadcast_buffers=choice)
+        for step in batches(size):
+            x, y = step[rank]
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            opt.step()
+        with torch.no_grad():  # one more training forward, on the same input on every rank
+            model(torch.ones(4, FEATURES))
+        out[str(choice)] = digest(np.concatenate([b.numpy().astype(np.float64).ravel() for b in model.buffers()]))
+    return out
 
 
 def sparse_and_missing(rank: int, size: int) -> dict:
@@ -249,7 +359,10 @@ def main() -> None:
     hvdp.init()
     rank, size = hvdp.rank(), hvdp.size()
     record = {"rank": rank, "equivalence": equivalence(rank, size), **sparse_and_missing(rank, size),
-              "sync_batch_norm": sync_batch_norm(rank, size), "consistency": consistency(rank),
+              "sync_batch_norm": sync_batch_norm(rank, size),
+              "step_forms": step_forms(rank, size), "drift_guard": drift_guard(rank, size),
+              "buffers": buffers(rank, size),
+              "consistency": consistency(rank),
               "collectives": collectives(rank, size), "bad_input": bad_input(rank)}
     _report.write(rank, record)
     hvdp.shutdown()

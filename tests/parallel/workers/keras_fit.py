@@ -6,7 +6,9 @@ against one process trained on the union of the batches; and the hvdp.keras call
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import numpy as np
 
@@ -86,10 +88,65 @@ def callbacks(rank: int, size: int) -> dict:
             "history": [float(v) for v in history.history["loss"]], "local_losses": local_losses}
 
 
+def save_and_resume(rank: int, size: int) -> dict:
+    """model.save on rank 0, keras.models.load_model on every rank, one more epoch: as if never stopped."""
+    path = os.path.join(os.environ["HVDP_TEST_OUT"], "resume.keras")
+    x, y = rank_data(200 + rank, PER_RANK_BATCH * STEPS)
+
+    def compiled() -> keras.Model:
+        model = make_model(seed=0)
+        model.compile(optimizer=hvdp.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss=loss())
+        return model
+
+    uninterrupted = compiled()
+    uninterrupted.fit(x, y, batch_size=PER_RANK_BATCH, epochs=2, shuffle=False, verbose=0)
+    first = compiled()
+    first.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+    if rank == 0:
+        first.save(path)
+    hvdp.barrier()
+    loaded = keras.models.load_model(path)
+    loaded.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+    return {"class": type(loaded.optimizer).__name__, "distributed": hvdp.keras.is_distributed(loaded.optimizer),
+            "iterations": int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)),
+            "vs_uninterrupted": compare(flat(loaded), flat(uninterrupted)), "digest": digest(flat(loaded))}
+
+
+def helper_model_on_one_rank(rank: int) -> dict:
+    """A model built on rank 0 only (a teacher) shifts Keras's layer names there; fit still trains."""
+    if rank == 0:
+        teacher = make_model(seed=5)
+        teacher(np.zeros((1, FEATURES), np.float32))
+    model = make_model(seed=rank)
+    optimizer = hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=optimizer, loss=loss())
+    hvdp.broadcast_state(model, optimizer)
+    x, y = rank_data(300 + rank, 2 * PER_RANK_BATCH)
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+    return {"seconds": time.perf_counter() - start, "first_layer": model.layers[0].name,
+            "digest": digest(flat(model))}
+
+
+def drift_in_fit(rank: int) -> dict:
+    """No broadcast_state: the replicas start apart, and fit stops after its first batch saying so."""
+    model = make_model(seed=rank)
+    model.compile(optimizer=hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1), check_every=2), loss=loss())
+    x, y = rank_data(400 + rank, 2 * PER_RANK_BATCH)
+    try:
+        model.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, verbose=0)
+        return {"raised": None}
+    except hvdp.ReplicaMismatchError as exc:
+        return {"raised": str(exc)}
+
+
 def main() -> None:
     rank, size = hvdp.rank(), hvdp.size()
     record = {"rank": rank, "framework": hvdp.framework(), "keras_backend": keras.backend.backend(),
-              "fit": fit_against_union(rank, size), "callbacks": callbacks(rank, size)}
+              "fit": fit_against_union(rank, size), "callbacks": callbacks(rank, size),
+              "resume": save_and_resume(rank, size),
+              "helper": helper_model_on_one_rank(rank),
+              "drift": drift_in_fit(rank)}
     _report.write(rank, record)
     hvdp.shutdown()
 
