@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from hvdp import _framework, _keras_jobs, elastic, profiler
+from hvdp import _framework, elastic, profiler
 from hvdp import arguments as _args
 from hvdp import checkpoint as _checkpoint
 from hvdp import consistency as _consistency
@@ -193,7 +193,7 @@ def DistributedOptimizer(
             this factor before summing and by ``size()/factor`` after.
         process_set: reduce only within this :class:`ProcessSet` (its members
             train one model; "average" divides by the set's size).
-        check_every: the drift guard's interval (torch optimizers): after step 1 and
+        check_every: the drift guard's interval (torch steps, Keras ``fit`` batches): after step 1 and
             every N steps the replicas' parameters are compared, and any difference
             raises :class:`ReplicaMismatchError`. None: ``HVDP_CHECK_EVERY``, else 100;
             0 turns it off.
@@ -231,8 +231,7 @@ def DistributedOptimizer(
     if every and len(ranks) > 1:
         guard = _consistency.DriftGuard(lambda obj: backend.allgather_object(obj, handle), ranks, every,
                                         whole_job=process_set is None)
-        if not backend.on_step(wrapped, guard.after_step) and _keras_jobs.is_keras_optimizer(wrapped):
-            _keras_jobs.attach_guard(wrapped, guard.after_step, backend.named_parameters)
+        backend.on_step(wrapped, guard.after_step)
     return wrapped
 
 

@@ -94,17 +94,16 @@ def check_every(value: Optional[int]) -> int:
         >>> check_every(10)
         10
     """
-    source = "check_every"
+    source, shown = "check_every", repr(value)
     if value is None:
         raw = os.environ.get("HVDP_CHECK_EVERY")
-        source = "HVDP_CHECK_EVERY"
+        source, shown = "HVDP_CHECK_EVERY", repr(raw)
         try:
             value = DEFAULT_CHECK_EVERY if raw is None else int(raw)
         except ValueError:
             value = -1
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        shown = os.environ.get("HVDP_CHECK_EVERY") if source == "HVDP_CHECK_EVERY" else value
-        raise ValueError(f"{source}={shown!r}: expected a whole number of steps >= 0 "
+        raise ValueError(f"{source}={shown}: expected a whole number of steps >= 0 "
                          f"(0 turns the drift check off; default {DEFAULT_CHECK_EVERY}).")
     return 0 if os.environ.get("HOROVOD_ELASTIC") == "1" else value
 

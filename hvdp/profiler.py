@@ -50,6 +50,8 @@ class Recorder:
     step_start: Optional[float] = None
     sources: List[Callable[[], float]] = field(default_factory=list)
     last_flush: float = 0.0
+    #: seconds taken by phases nested in each open phase, innermost last
+    open_phases: List[float] = field(default_factory=list)
 
 
 _recorder = Recorder()
@@ -100,22 +102,19 @@ def phase(name: str) -> Iterator[None]:
         yield
 
 
-#: Seconds taken by phases nested in each open phase, innermost last.
-_open: List[float] = []
-
-
 @contextmanager
 def _section(name: str) -> Iterator[None]:
     _start_step_clock()
     start = time.perf_counter()
-    _open.append(0.0)
+    open_phases = _recorder.open_phases
+    open_phases.append(0.0)
     try:
         yield
     finally:
         elapsed = time.perf_counter() - start
-        nested = _open.pop()
-        if _open:
-            _open[-1] += elapsed
+        nested = open_phases.pop()
+        if open_phases:
+            open_phases[-1] += elapsed
         record(name, elapsed - nested)
 
 

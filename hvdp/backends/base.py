@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime
 
 import numpy as np
 
+from hvdp import _keras_jobs
+
 #: Reduction operations accepted by ``allreduce`` and ``DistributedOptimizer``.
 REDUCE_OPS = ("average", "sum", "adasum")
 #: Gradient compressions accepted by ``DistributedOptimizer``.
@@ -184,15 +186,26 @@ class HorovodJob:
             try:
                 self._hvd.join()
             except Exception:  # the job is ending abnormally (a rank died): shut down regardless
-                pass
-            else:
-                try:
-                    if on_joined is not None:
-                        on_joined()
-                finally:
-                    self._hvd.shutdown()
-                return
-        self._hvd.shutdown()
+                on_joined = None
+        else:
+            on_joined = None
+        try:
+            if on_joined is not None:
+                on_joined()
+        finally:
+            self._hvd.shutdown()
+
+    def on_step(self, optimizer: Any, callback: Callable[[Callable[[], List[Tuple[str, Any]]]], None]) -> bool:
+        # A Keras optimizer updates inside a compiled train step: model.fit calls the callback
+        # after each batch instead (hvdp/_keras_jobs.py). A backend handles its own optimizers first.
+        if not _keras_jobs.is_keras_optimizer(optimizer):
+            return False
+        _keras_jobs.attach_guard(optimizer, callback, self.named_parameters)
+        return True
+
+    def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
+        """Each backend lists a model's (name, array) pairs its own way."""
+        raise NotImplementedError
 
     def is_initialized(self) -> bool:
         return bool(self._hvd.is_initialized())

@@ -134,9 +134,6 @@ class Backend(HorovodJob):
 
         return _timed_in_graph(reduce)
 
-    def on_step(self, optimizer: Any, callback: Callable[[Callable[[], List[Tuple[str, Any]]]], None]) -> bool:
-        return False  # Keras updates run inside compiled train steps: check_consistency() checks them
-
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
         horovod_set = self._set(process_set)
         if hvdp_keras.is_keras_model(model):

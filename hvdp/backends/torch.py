@@ -20,10 +20,9 @@ from hvdp import profiler
 from hvdp.backends.base import HorovodJob, reduction_plan
 from hvdp.backends.torch_gradients import (
     broadcast_buffers_before_forward,
+    complete,
     reduce_at_backward_end,
     sleeping_synchronize,
-    wait,
-    wake,
 )
 
 
@@ -38,16 +37,6 @@ def _map_tensors(tree: Any, to_numpy: bool) -> Any:
     if not to_numpy and isinstance(tree, np.ndarray):
         return torch.from_numpy(np.array(tree))
     return tree
-
-
-def _complete(handle: Any) -> Any:
-    """The result of the collective of ``handle``, enqueued by a caller that now blocks for it.
-
-    Nothing else is coming from this caller: wake Horovod's loop, then wait with :func:`wait`.
-    """
-    wake()
-    wait(handle)
-    return hvd.synchronize(handle)
 
 
 def _differentiable(tensor: torch.Tensor) -> bool:
@@ -220,7 +209,7 @@ class Backend(HorovodJob):
 
     def on_step(self, optimizer: Any, callback: Callable[[Callable[[], List[Tuple[str, Any]]]], None]) -> bool:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            return False  # a Keras optimizer on the torch Keras backend
+            return super().on_step(optimizer, callback)  # a Keras optimizer on the torch Keras backend
         names = getattr(optimizer, "_parameter_names", {})
         parameters = [(names.get(p, f"param_groups.{i}.{j}"), p)
                       for i, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
@@ -301,26 +290,26 @@ class Backend(HorovodJob):
             with torch.no_grad():
                 if target.data_ptr() != tensor.data_ptr():
                     target.copy_(tensor)
-                _complete(hvd.allreduce_async_(target, op=horovod_op, name=name, process_set=horovod_set))
+                complete(hvd.allreduce_async_(target, op=horovod_op, name=name, process_set=horovod_set))
             return out
         if _differentiable(tensor):
             return self._from_tensor(hvd.allreduce(tensor, op=horovod_op, name=name, process_set=horovod_set),
                                      as_numpy)
-        return self._from_tensor(_complete(hvd.allreduce_async(tensor, op=horovod_op, name=name,
+        return self._from_tensor(complete(hvd.allreduce_async(tensor, op=horovod_op, name=name,
                                                                process_set=horovod_set)), as_numpy)
 
     def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = self._to_tensor(value, "allgather")
         if _differentiable(tensor):
             return super().allgather(value, name, process_set)
-        return self._from_tensor(_complete(hvd.allgather_async(tensor, name=name, process_set=self._set(process_set))),
+        return self._from_tensor(complete(hvd.allgather_async(tensor, name=name, process_set=self._set(process_set))),
                                  as_numpy)
 
     def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = self._to_tensor(value, "broadcast")
         if _differentiable(tensor):
             return super().broadcast(value, root_rank, name, process_set)
-        return self._from_tensor(_complete(hvd.broadcast_async(tensor, root_rank, name=name,
+        return self._from_tensor(complete(hvd.broadcast_async(tensor, root_rank, name=name,
                                                                process_set=self._set(process_set))), as_numpy)
 
     def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:

@@ -58,6 +58,19 @@ def _find_wake() -> Callable[[], None]:
 wake = _find_wake()
 
 
+def complete(*handles: Any) -> Any:
+    """The results of the collectives of ``handles``, enqueued by a caller that now blocks for them.
+
+    Nothing else is coming from this caller: wake Horovod's loop, then wait with :func:`wait`.
+    """
+    wake()
+    results = []
+    for handle in handles:
+        wait(handle)
+        results.append(hvd.synchronize(handle))
+    return results[0] if len(results) == 1 else results
+
+
 def sleeping_synchronize(optimizer: Any) -> Any:
     """``optimizer.synchronize`` that wakes Horovod's loop, then waits for the gradient allreduces with :func:`wait`.
 
@@ -79,8 +92,7 @@ def sleeping_synchronize(optimizer: Any) -> Any:
 class _Passes:
     """Where one optimizer stands in its backward passes."""
 
-    def __init__(self, passes_per_step: int) -> None:
-        self.passes_per_step = passes_per_step
+    def __init__(self) -> None:
         self.passes = 0  # backward passes since the last reduction (no_sync passes not counted)
         self.queued = False  # the end-of-backward callback is queued for the pass now running
         self.reduced = False  # .grad holds averages: nothing to reduce until the next backward
@@ -101,8 +113,7 @@ def reduce_at_backward_end(optimizer: Any) -> Any:
     A one-process job (Horovod registers no hooks) is left as it is, with a ``no_sync``
     that does nothing.
     """
-    state = _Passes(optimizer.backward_passes_per_step)
-    optimizer._hvdp_passes = state
+    state = _Passes()
     synchronize, step, load_state_dict = optimizer.synchronize, optimizer.step, optimizer.load_state_dict
 
     def synchronize_once() -> Any:
@@ -117,7 +128,7 @@ def reduce_at_backward_end(optimizer: Any) -> Any:
         if state.local:
             return
         state.passes += 1
-        if state.passes >= state.passes_per_step:
+        if state.passes >= optimizer.backward_passes_per_step:
             synchronize_once()
 
     def pass_started(*_: Any) -> None:
@@ -126,7 +137,7 @@ def reduce_at_backward_end(optimizer: Any) -> Any:
             torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
 
     def step_once(closure: Any = None) -> Any:
-        if state.reduced or not optimizer._should_synchronize:
+        if state.reduced and optimizer._should_synchronize:
             with optimizer.skip_synchronize():
                 result = step(closure)
         else:  # fewer passes than backward_passes_per_step, or none: Horovod reduces what there is
@@ -199,12 +210,8 @@ def broadcast_buffers_before_forward(model: torch.nn.Module, root_rank: int, pro
             return
         with torch.no_grad():
             flats = [torch.cat([buffer.reshape(-1) for buffer in group]) for _, group in groups]
-            handles = [hvd.broadcast_async_(flat, root_rank, name=f"hvdp.buffers.{dtype}", process_set=process_set)
-                       for (dtype, _), flat in zip(groups, flats)]
-            wake()
-            for handle in handles:
-                wait(handle)
-                hvd.synchronize(handle)
+            complete(*[hvd.broadcast_async_(flat, root_rank, name=f"hvdp.buffers.{dtype}", process_set=process_set)
+                       for (dtype, _), flat in zip(groups, flats)])
             for (_, group), flat in zip(groups, flats):
                 offset = 0
                 for buffer in group:
