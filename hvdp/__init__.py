@@ -21,6 +21,7 @@ from hvdp import _framework, elastic, profiler
 from hvdp import arguments as _args
 from hvdp import checkpoint as _checkpoint
 from hvdp import consistency as _consistency
+from hvdp import joining as _joining
 from hvdp import process_sets as _process_sets
 from hvdp.backends.base import COMPRESSIONS
 from hvdp.collectives import allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object
@@ -36,6 +37,7 @@ from hvdp.errors import (
     ReplicaMismatchError,
     TensorMismatchError,
 )
+from hvdp.joining import join
 from hvdp.process_sets import ProcessSet
 
 __version__ = "0.1.0"
@@ -46,7 +48,8 @@ __all__ = [
     "SyncBatchNorm", "TensorMismatchError", "__version__", "add_process_set", "allgather", "allgather_object",
     "allreduce", "barrier", "broadcast", "broadcast_object", "broadcast_state", "check_consistency",
     "load_checkpoint", "save_checkpoint", "cross_rank", "cross_size", "elastic", "framework", "init",
-    "is_initialized", "local_rank", "local_size", "my_process_set", "rank", "profiler", "shard", "shutdown", "size",
+    "is_initialized", "join", "local_rank", "local_size", "my_process_set", "rank", "profiler", "shard", "shutdown",
+    "size",
 ]
 
 
@@ -228,9 +231,16 @@ def DistributedOptimizer(
         broadcast_buffers=bool(broadcast_buffers),
     )
     ranks = _process_sets.members(process_set, "DistributedOptimizer")
+    wrapped._hvdp_whole_job = process_set is None
     if every and len(ranks) > 1:
-        guard = _consistency.DriftGuard(lambda obj: backend.allgather_object(obj, handle), ranks, every,
-                                        whole_job=process_set is None)
+        if process_set is None:  # join-safe: a rank waiting in hvdp.join is left out of the comparison
+            def gather(obj: Any) -> Any:
+                return _joining.gather_active(backend, obj, ranks)
+        else:
+            def gather(obj: Any) -> Any:
+                return backend.allgather_object(obj, handle)
+        guard = _consistency.DriftGuard(gather, ranks, every, whole_job=process_set is None)
+        wrapped._hvdp_guard = guard
         backend.on_step(wrapped, guard.after_step)
     return wrapped
 

@@ -2,7 +2,8 @@
 
 - ``keras.models.load_model`` (every loader that compiles a model from its saved config)
   gives back an optimizer that still averages (:func:`rewrap_loaded_optimizers`);
-- ``model.fit`` runs the drift guard of an hvdp optimizer after each batch (:func:`guard_fits`).
+- ``model.fit`` runs the drift guard of an hvdp optimizer after each batch, and joins the
+  ranks at each epoch's end inside ``hvdp.join`` (:func:`guard_fits`).
 
 Installed by ``hvdp.init()`` through :func:`when_imported`, so a script that imports Keras
 after ``hvdp.init()`` (as it must, for ``KERAS_BACKEND``) gets them too. Nothing here imports
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 
 def is_distributed(optimizer: object) -> bool:
@@ -92,8 +93,13 @@ def attach_guard(optimizer: Any, after_step: Callable[[Callable[[], List[Tuple[s
     optimizer._hvdp_parameters_of = parameters_of
 
 
+#: While an ``hvdp.join`` block is open: the call that joins every rank and syncs their state.
+epoch_join: List[Optional[Callable[[], Any]]] = [None]
+
+
 def guard_fits() -> None:
-    """Make ``model.fit`` run the drift guard of a model whose optimizer has one (:func:`attach_guard`)."""
+    """Make ``model.fit`` run the drift guard of a model whose optimizer has one (:func:`attach_guard`),
+    and, inside an ``hvdp.join`` block, join the ranks at each epoch's end (:data:`epoch_join`)."""
     import inspect
 
     import keras
@@ -115,12 +121,29 @@ def guard_fits() -> None:
             optimizer = self.optimizer_checked
             optimizer._hvdp_after_step(lambda: optimizer._hvdp_parameters_of(self.model))
 
+    class EpochJoin(keras.callbacks.Callback):
+        """Ranks with fewer batches wait here for the others; then all hold the last one's state."""
+
+        def __init__(self, sync: Callable[[], Any]) -> None:
+            super().__init__()
+            self.sync = sync
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            self.sync()
+
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         optimizer = getattr(self, "optimizer", None)
-        if getattr(optimizer, "_hvdp_after_step", None) is None:
+        guarded = getattr(optimizer, "_hvdp_after_step", None) is not None
+        sync = epoch_join[0]
+        if not guarded and sync is None:
             return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
-        bound.arguments["callbacks"] = [*(bound.arguments.get("callbacks") or []), DriftCheck(optimizer)]
+        callbacks = list(bound.arguments.get("callbacks") or [])
+        if sync is not None:  # first: the callbacks after it may reduce, and need every rank
+            callbacks.insert(0, EpochJoin(sync))
+        if guarded:
+            callbacks.append(DriftCheck(optimizer))
+        bound.arguments["callbacks"] = callbacks
         return original(*bound.args, **bound.kwargs)
 
     fit._hvdp_guards = True  # type: ignore[attr-defined]

@@ -80,7 +80,7 @@ LIKELY_CAUSES = (
     "an optimizer that does not average: a Keras model loaded with keras.models.load_model gets a plain "
     "optimizer back, wrap it again with hvdp.DistributedOptimizer",
     "ranks that took different numbers of steps (uneven data): give every rank the same number of batches "
-    "(hvdp.shard) or use join",
+    "(hvdp.shard), or train inside hvdp.join(model, optimizer)",
 )
 
 
@@ -111,8 +111,9 @@ def check_every(value: Optional[int]) -> int:
 class DriftGuard:
     """Compares every replica's parameters after step 1 and every ``every`` steps (a collective).
 
-    ``gather`` is the backend's ``allgather_object`` over the optimizer's ranks; each
-    rank calls :meth:`after_step` once per update, so all ranks check at the same steps.
+    ``gather`` is an ``allgather_object`` over the optimizer's ranks (None for a rank that
+    waits in ``hvdp.join``); each rank calls :meth:`after_step` once per update, so all
+    ranks check at the same steps.
     """
 
     def __init__(self, gather: Callable[[Any], List[Any]], ranks: List[int], every: int, whole_job: bool) -> None:
@@ -126,11 +127,14 @@ class DriftGuard:
             self.check(parameters())
 
     def check(self, parameters: List[Tuple[str, np.ndarray]]) -> None:
-        found = problems(self.gather(digests(parameters)), self.ranks)
+        # None for a rank waiting in hvdp.join: only the ranks still stepping are compared.
+        stepping = [(rank, theirs) for rank, theirs in zip(self.ranks, self.gather(digests(parameters)))
+                    if theirs is not None]
+        found = problems([theirs for _, theirs in stepping], [rank for rank, _ in stepping])
         if found:
             causes = "; ".join(f"({i}) {cause}" for i, cause in enumerate(LIKELY_CAUSES, 1))
             raise ReplicaMismatchError(
-                f"Replicas drifted apart by step {self.steps}: compared with rank {self.ranks[0]}, "
+                f"Replicas drifted apart by step {self.steps}: compared with rank {stepping[0][0]}, "
                 f"{'; '.join(found)}. Likely causes: {causes}. This check runs after step 1 and every "
                 f"{self.every} steps (HVDP_CHECK_EVERY=N to change, 0 to turn it off)."
             )
@@ -154,4 +158,4 @@ def uneven_steps(backend: Any) -> List[str]:
     shown = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))
     return [f"The ranks took different numbers of optimizer steps ({shown}), so their models differ. "
             "Give every rank the same number of batches (hvdp.shard(..., drop_remainder=True), or a "
-            "DistributedSampler with drop_last=True)."]
+            "DistributedSampler with drop_last=True), or train inside hvdp.join(model, optimizer)."]

@@ -68,6 +68,13 @@ class Backend(Protocol):
         ``on_joined`` runs once every rank has joined, before the shutdown (a collective may run there).
         """
 
+    #: True inside an ``hvdp.join`` block: what the backend runs each step must be join-safe
+    #: (allreduce only; Horovod refuses broadcast and allgather while a rank has joined).
+    joining: bool
+
+    def join(self) -> int:
+        """Wait, contributing zeros to the others' allreduces, until every rank has joined; the last one's rank."""
+
     def is_initialized(self) -> bool:
         """True between ``init()`` and ``shutdown()``."""
 
@@ -162,6 +169,7 @@ class HorovodJob:
 
     _hvd: Any
     name: str
+    joining = False
 
     def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
         handles = [self._hvd.ProcessSet(ranks) for ranks in process_sets]
@@ -184,7 +192,7 @@ class HorovodJob:
         if join and self._hvd.is_initialized() and self._hvd.size() > 1 \
                 and os.environ.get("HOROVOD_ELASTIC") != "1":
             try:
-                self._hvd.join()
+                self.join()
             except Exception:  # the job is ending abnormally (a rank died): shut down regardless
                 on_joined = None
         else:
@@ -194,6 +202,9 @@ class HorovodJob:
                 on_joined()
         finally:
             self._hvd.shutdown()
+
+    def join(self) -> int:
+        return int(self._hvd.join())
 
     def on_step(self, optimizer: Any, callback: Callable[[Callable[[], List[Tuple[str, Any]]]], None]) -> bool:
         # A Keras optimizer updates inside a compiled train step: model.fit calls the callback

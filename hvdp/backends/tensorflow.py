@@ -181,6 +181,12 @@ class Backend(HorovodJob):
     def allgather_object(self, obj: Any, process_set: Any) -> List[Any]:
         return list(hvd.allgather_object(obj, name="hvdp.allgather_object", process_set=self._set(process_set)))
 
+    def join(self) -> int:
+        # Horovod registers HorovodJoin as stateless, so eager TensorFlow reuses the first call's
+        # result: every later join returned at once, without waiting for the other ranks. Run in
+        # a function of its own, it waits every time.
+        return int(tf.function(hvd.join)())
+
     def barrier(self, process_set: Any) -> None:
         # horovod.tensorflow 0.28 has no barrier op; a one-element allreduce is one.
         hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="hvdp.barrier", process_set=self._set(process_set))

@@ -169,7 +169,7 @@ class Backend(HorovodJob):
                     )
                 named = list(model.named_parameters())
                 if broadcast_buffers:
-                    broadcast_buffers_before_forward(model, 0, horovod_set)
+                    broadcast_buffers_before_forward(model, 0, horovod_set, joining=lambda: self.joining)
             wrapped = hvd.DistributedOptimizer(
                 optimizer,
                 named_parameters=named,

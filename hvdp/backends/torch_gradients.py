@@ -186,14 +186,17 @@ def reduce_at_backward_end(optimizer: Any) -> Any:
     return optimizer
 
 
-def broadcast_buffers_before_forward(model: torch.nn.Module, root_rank: int, process_set: Any) -> None:
+def broadcast_buffers_before_forward(model: torch.nn.Module, root_rank: int, process_set: Any,
+                                     joining: Callable[[], bool] = lambda: False) -> None:
     """DDP's ``broadcast_buffers=True``: before each forward in training mode, ``root_rank``'s buffers.
 
     BatchNorm's running statistics are updated by each replica's forward from its own
     batch; without this they differ between replicas, and so does an evaluated or
     saved model. As under DDP, the forward then updates them from the local batch:
     a forward in training mode is a collective (every rank runs the same number).
-    A model without buffers gets no hook.
+    Inside ``hvdp.join`` (``joining()``), where ``root_rank`` may have run out of data,
+    the buffers come from the lowest rank still stepping, by allreduce (a joined rank
+    adds zeros). A model without buffers gets no hook.
     """
     buffers = [buffer for _, buffer in model.named_buffers() if buffer.numel() > 0]
     if not buffers:
@@ -205,13 +208,28 @@ def broadcast_buffers_before_forward(model: torch.nn.Module, root_rank: int, pro
         by_dtype.setdefault(buffer.dtype, []).append(buffer)
     groups = sorted(by_dtype.items(), key=lambda item: str(item[0]))
 
+    def from_lowest_stepping_rank(flats: list) -> None:
+        me = hvd.rank()
+        stepping = torch.zeros(hvd.size(), dtype=torch.int32)
+        stepping[me] = 1
+        stepping = complete(hvd.allreduce_async_(stepping, op=hvd.Sum, name="hvdp.join.stepping"))
+        if int(stepping.nonzero()[0]) != me:
+            for flat in flats:
+                flat.zero_()
+        complete(*[hvd.allreduce_async_(flat, op=hvd.Sum, name=f"hvdp.join.buffers.{dtype}")
+                   for (dtype, _), flat in zip(groups, flats)])
+
     def before_forward(module: torch.nn.Module, _inputs: Any) -> None:
         if not module.training:
             return
         with torch.no_grad():
             flats = [torch.cat([buffer.reshape(-1) for buffer in group]) for _, group in groups]
-            complete(*[hvd.broadcast_async_(flat, root_rank, name=f"hvdp.buffers.{dtype}", process_set=process_set)
-                       for (dtype, _), flat in zip(groups, flats)])
+            if joining():
+                from_lowest_stepping_rank(flats)
+            else:
+                complete(*[hvd.broadcast_async_(flat, root_rank, name=f"hvdp.buffers.{dtype}",
+                                                process_set=process_set)
+                           for (dtype, _), flat in zip(groups, flats)])
             for (_, group), flat in zip(groups, flats):
                 offset = 0
                 for buffer in group:

@@ -331,6 +331,9 @@ DOCSTRINGS: Dict[str, tuple] = {
     "hvdp.save_checkpoint": ("hvdp", "torch_training", lambda n: {"step": 5}),
     "hvdp.load_checkpoint": ("hvdp", "torch_training", None),  # the file save_checkpoint's example wrote
     "hvdp.shard": ("hvdp", "torch_job", lambda n: {"x": np.zeros((10, 2))}),
+    "hvdp.joining.join": ("hvdp.joining", "torch_training", lambda n: {
+        "opt": n["optimizer"],
+        "my_uneven_batches": [n["load"](*b) for b in n["batches"][:len(n["batches"]) - hvdp.rank()]]}),
     "hvdp.DistributedGradientTape": ("hvdp", "keras_training", None),
     "hvdp._keras_callbacks.BroadcastInitialState": ("hvdp._keras_callbacks", "keras_compiled", None),
     "hvdp._keras_callbacks.LearningRateWarmup": ("hvdp._keras_callbacks", "keras_training", None),

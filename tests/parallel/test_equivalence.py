@@ -153,6 +153,18 @@ def test_torch_drift_guard_stops_replicas_that_part_naming_step_ranks_and_causes
         assert guard["off"] == {"raised": None, "steps": 5}
 
 
+def test_torch_join_trains_uneven_batches_with_ddp_join_meaning_and_ends_equal(torch_job):
+    """Rank 0 has 5 batches, rank 1 four: inside hvdp.join the last step averages rank 0's gradient
+    with rank 1's zeros over size() (DDP's Join), every rank ends with rank 0's model, buffers and
+    Adam state, and the job exits 0 (without join it fails naming the counts: test_core)."""
+    reports = [rank["uneven"] for rank in torch_job.ranks]
+    for result in reports:
+        assert result["last_rank"] == 0 and result["adam_steps"] == 5, result
+        assert result["vs_reference"]["close"], result["vs_reference"]
+        assert result["vs_mean_of_stepping"]["max_abs"] > 1e-4, "the two meanings must be told apart"
+    assert len({r["digest"] for r in reports}) == 1, "parameters, buffers or optimizer state differ"
+
+
 def test_torch_buffers_are_rank_0s_before_each_training_forward_unless_turned_off(torch_job):
     kept_equal = {rank["buffers"]["True"] for rank in torch_job.ranks}
     per_rank = {rank["buffers"]["False"] for rank in torch_job.ranks}

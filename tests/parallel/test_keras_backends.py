@@ -53,6 +53,17 @@ def test_model_save_and_keras_load_model_resume_distributed_as_if_never_stopped(
     assert len({r["resume"]["digest"] for r in job.ranks}) == 1, "replicas differ after resuming"
 
 
+def test_backup_and_restore_resumes_a_stopped_fit_as_if_never_stopped(job):
+    """keras.callbacks.BackupAndRestore (each replica its own backup): a fit stopped after epoch 1,
+    then a new model's fit restores weights and optimizer state and runs epoch 2 only, averaging."""
+    for rank in job.ranks:
+        restored = rank["resume"]["backup"]
+        assert restored["iterations"] == 6, restored  # 3 steps before the stop, 3 after
+        assert restored["moved"] > 1e-3, restored  # epoch 2 did train
+        assert restored["vs_uninterrupted"]["max_abs"] <= 1e-6, restored["vs_uninterrupted"]
+    assert len({r["resume"]["backup"]["digest"] for r in job.ranks}) == 1, "replicas differ after restoring"
+
+
 def test_a_model_built_on_one_rank_only_does_not_stall_the_next_fit(job):
     """Rank 0 builds a helper model first, so its Keras layer names differ from rank 1's; the
     gradients' collectives are named by the optimizer's number, so fit trains at once (was: TensorFlow
@@ -70,3 +81,15 @@ def test_fit_runs_the_drift_guard_and_stops_replicas_that_start_apart(job):
         assert raised and "Replicas drifted apart by step 1" in raised, rank["drift"]
         assert "rank 1 (2 of 4 parameters differ" in raised, raised  # the kernels; the zero-initialized biases agree
         assert "hvdp.broadcast_state(model, optimizer)" in raised
+
+
+def test_join_around_fit_trains_uneven_batches_with_ddp_join_meaning(job):
+    """Rank 0 has 5 batches an epoch, rank 1 four (2 epochs): the ranks join at each epoch's end,
+    the replicas end equal (weights and Adam state, 10 iterations), equal to one process in which
+    the rank that ran out adds zero-weight samples, and the metrics averaged after the join agree."""
+    reports = [rank["uneven"] for rank in job.ranks]
+    for result in reports:
+        assert result["iterations"] == 10, result  # rank 1 stepped 8 times: it took rank 0's state
+        assert result["vs_reference"]["close"], result["vs_reference"]
+    assert len({r["digest"] for r in reports}) == 1, "weights or optimizer state differ"
+    assert reports[0]["loss"] == reports[1]["loss"]

@@ -65,6 +65,17 @@ def test_guard_checks_after_step_one_and_every_n_steps_and_names_the_step():
     assert "HVDP_CHECK_EVERY" in message
 
 
+def test_ranks_waiting_in_a_join_are_left_out_and_the_first_stepping_rank_is_the_reference():
+    params = [("w", np.zeros(3, np.float32))]
+    theirs = [("w", [3], "changed")]
+    guard = consistency.DriftGuard(lambda mine: [None, mine, theirs], [0, 1, 2], 1, whole_job=False)
+    with pytest.raises(ReplicaMismatchError) as err:
+        guard.after_step(lambda: params)
+    assert "compared with rank 1, rank 2 (1 of 1 parameters differ, e.g. w)" in str(err.value)
+    agreeing = consistency.DriftGuard(lambda mine: [None, mine, mine], [0, 1, 2], 1, whole_job=False)
+    agreeing.after_step(lambda: params)
+
+
 def test_off_checks_nothing():
     guard = consistency.DriftGuard(lambda mine: pytest.fail("gathered"), [0, 1], 0, whole_job=False)
     for _ in range(5):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -237,6 +238,52 @@ def buffers(rank: int, size: int) -> dict:
     return out
 
 
+def uneven(rank: int, size: int) -> dict:
+    """hvdp.join: rank r has STEPS - r batches; a rank that ran out adds zeros and averages divide by
+    size (DDP's Join). The guard checks every step, also while rank 1 waits in the join."""
+    counts = [STEPS - r for r in range(size)]
+    data = batches(size)
+
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                   torch.nn.Linear(8, CLASSES))
+
+    model = build(seed=rank)
+    opt = hvdp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model, check_every=1)
+    hvdp.broadcast_state(model, opt)
+    start = {key: value.clone() for key, value in model.state_dict().items()}
+    with hvdp.join(model, opt) as block:
+        for step in data[:counts[rank]]:
+            x, y = step[rank]
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            opt.step()
+
+    def reference(divisor: Callable[[int], int]) -> np.ndarray:  # one process, the same start
+        ref = build(seed=0)
+        ref.load_state_dict(start)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+        for k, step in enumerate(data[:max(counts)]):
+            stepping = [r for r in range(size) if k < counts[r]]
+            total = [torch.zeros_like(p) for p in ref.parameters()]
+            for r in stepping:
+                ref.zero_grad()
+                loss_of(ref, *step[r]).backward()
+                total = [t + p.grad for t, p in zip(total, ref.parameters())]
+            for t, p in zip(total, ref.parameters()):
+                p.grad = t / divisor(len(stepping))
+            ref_opt.step()
+        return flat(ref)
+
+    state = torch.cat([v.reshape(-1).double() for v in [*model.state_dict().values(),
+                       *[t for s in opt.state_dict()["state"].values() for t in s.values()]]]).numpy()
+    return {"last_rank": block.last_rank, "digest": digest(state),
+            "adam_steps": [float(s["step"]) for s in opt.state_dict()["state"].values()][0],
+            "vs_reference": compare(flat(model), reference(lambda stepping: size)),
+            "vs_mean_of_stepping": compare(flat(model), reference(lambda stepping: stepping))}
+
+
 def sparse_and_missing(rank: int, size: int) -> dict:
     out = {}
     # Sparse gradients from nn.Embedding(sparse=True).
@@ -361,7 +408,7 @@ def main() -> None:
     record = {"rank": rank, "equivalence": equivalence(rank, size), **sparse_and_missing(rank, size),
               "sync_batch_norm": sync_batch_norm(rank, size),
               "step_forms": step_forms(rank, size), "drift_guard": drift_guard(rank, size),
-              "buffers": buffers(rank, size),
+              "buffers": buffers(rank, size), "uneven": uneven(rank, size),
               "consistency": consistency(rank),
               "collectives": collectives(rank, size), "bad_input": bad_input(rank)}
     _report.write(rank, record)

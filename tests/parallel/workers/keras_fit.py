@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -107,9 +108,33 @@ def save_and_resume(rank: int, size: int) -> dict:
     hvdp.barrier()
     loaded = keras.models.load_model(path)
     loaded.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+
+    # keras.callbacks.BackupAndRestore: a fit stopped after epoch 1, then the restarted script's fit.
+    backup = os.path.join(os.environ["HVDP_TEST_OUT"], f"backup-rank{rank}")  # each replica its own copy
+
+    class StoppedError(Exception):
+        pass
+
+    class StopAfterEpoch1(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            raise StoppedError()
+
+    stopped = compiled()
+    try:
+        stopped.fit(x, y, batch_size=PER_RANK_BATCH, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[keras.callbacks.BackupAndRestore(backup), StopAfterEpoch1()])
+    except StoppedError:
+        pass
+    restarted = compiled()
+    restarted.fit(x, y, batch_size=PER_RANK_BATCH, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup)])
     return {"class": type(loaded.optimizer).__name__, "distributed": hvdp.keras.is_distributed(loaded.optimizer),
             "iterations": int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)),
-            "vs_uninterrupted": compare(flat(loaded), flat(uninterrupted)), "digest": digest(flat(loaded))}
+            "vs_uninterrupted": compare(flat(loaded), flat(uninterrupted)), "digest": digest(flat(loaded)),
+            "backup": {"iterations": int(keras.ops.convert_to_numpy(restarted.optimizer.iterations)),
+                       "vs_uninterrupted": compare(flat(restarted), flat(uninterrupted)),
+                       "moved": float(np.max(np.abs(flat(restarted) - flat(stopped)))),
+                       "digest": digest(flat(restarted))}}
 
 
 def helper_model_on_one_rank(rank: int) -> dict:
@@ -140,13 +165,47 @@ def drift_in_fit(rank: int) -> dict:
         return {"raised": str(exc)}
 
 
+def uneven_fit(rank: int, size: int) -> dict:
+    """hvdp.join around fit: rank r has 5 - r batches an epoch, 2 epochs. Against one process on the
+    union of each step's batches, a rank that ran out padded with zero-weight samples (its zeros,
+    averaged over size(): DDP's Join); MetricAverage runs after the epoch's join."""
+    counts, epochs, batch = [5 - r for r in range(size)], 2, PER_RANK_BATCH
+    model = make_model(seed=rank)
+    optimizer = hvdp.DistributedOptimizer(keras.optimizers.Adam(0.01), check_every=1)
+    model.compile(optimizer=optimizer, loss=loss())
+    hvdp.broadcast_state(model, optimizer)
+    start = model.get_weights()
+    x, y = rank_data(200 + rank, counts[rank] * batch)
+    with hvdp.join(model, optimizer) as block:
+        history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+                            callbacks=[hvdp.keras.MetricAverage()])
+
+    reference = make_model(seed=0)
+    reference.set_weights(start)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss())
+    parts = [rank_data(200 + r, counts[r] * batch) for r in range(size)]
+    xs, ys, weights = [], [], []
+    for k in range(max(counts)):
+        for r in range(size):
+            stepping = k < counts[r]
+            xs.append(parts[r][0][k * batch:(k + 1) * batch] if stepping else np.zeros((batch, FEATURES), np.float32))
+            ys.append(parts[r][1][k * batch:(k + 1) * batch] if stepping else np.zeros(batch, np.int64))
+            weights.append(np.full(batch, 1.0 if stepping else 0.0, np.float32))
+    reference.fit(np.concatenate(xs), np.concatenate(ys), sample_weight=np.concatenate(weights),
+                  batch_size=batch * size, epochs=epochs, shuffle=False, verbose=0)
+    return {"last_rank": block.last_rank, "iterations": int(keras.ops.convert_to_numpy(optimizer.iterations)),
+            "digest": digest(np.concatenate([flat(model), [float(keras.ops.convert_to_numpy(v).sum())
+                                                           for v in optimizer.variables]])),
+            "loss": history.history["loss"], "vs_reference": compare(flat(model), flat(reference))}
+
+
 def main() -> None:
     rank, size = hvdp.rank(), hvdp.size()
     record = {"rank": rank, "framework": hvdp.framework(), "keras_backend": keras.backend.backend(),
               "fit": fit_against_union(rank, size), "callbacks": callbacks(rank, size),
               "resume": save_and_resume(rank, size),
               "helper": helper_model_on_one_rank(rank),
-              "drift": drift_in_fit(rank)}
+              "drift": drift_in_fit(rank), "uneven": uneven_fit(rank, size)}
     _report.write(rank, record)
     hvdp.shutdown()
 
