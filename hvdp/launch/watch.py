@@ -20,6 +20,12 @@ _MPI_STATUS = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
 _MPI_CODE = re.compile(r"Exit code:\s+(\d+)")
 _RAISED = re.compile(r"^\[(?:\d+,)?(\d+)\]<stderr>:([\w.]*(?:Error|Exception|Interrupt)): (.*)$")
 _STALLED = re.compile(r"(?:<stderr>:)?(\d+)!: \[(.*?)\]")
+#: Every rank of a stall report's "Missing ranks:" list, stalled past the limit (!) or not yet.
+_MISSING = re.compile(r"(?:^|<std(?:out|err)>:|\] )(\d+)!?: \[(.*?)\]", re.MULTILINE)
+#: A Keras optimizer's gradient list (hvdp.gradients.N, grouped by Horovod as _KofM).
+_KERAS_LIST = re.compile(r"hvdp\.gradients(?:\.\d+)?_\d+of(\d+)")
+#: A gradient's collective: a Keras optimizer's list (TensorFlow, torch) or a torch parameter's allreduce.
+_GRADIENT = re.compile(r"(?:grouped_allreduce\.)?hvdp\.gradients|allreduce\.")
 
 
 def describe_exit(code: int) -> str:
@@ -53,6 +59,7 @@ class JobWatcher:
     def __init__(self) -> None:
         self.failed: Dict[int, str] = {}
         self.stalled: Dict[int, str] = {}
+        self.missing: Dict[int, str] = {}
         self.raised: Dict[int, str] = {}
         self.records: List[Failure] = []
         self.exits: List[Tuple[float, int, int]] = []
@@ -127,6 +134,8 @@ class JobWatcher:
             self._mpi_rank = None
         for rank, tensors in _STALLED.findall(line):
             self.stalled[int(rank)] = tensors
+        for rank, tensors in _MISSING.findall(line):
+            self.missing[int(rank)] = tensors
         found = _RAISED.search(line.rstrip("\n"))
         if found and "Horovod has been shut down" not in found.group(3):  # a consequence, not a cause
             self.raised[int(found.group(1))] = f"{found.group(2).rsplit('.', 1)[-1]}: {found.group(3)}"
@@ -136,7 +145,8 @@ class JobWatcher:
         if self.stalled:
             ranks = "; ".join(f"rank {r} never submitted {t}" for r, t in sorted(self.stalled.items()))
             return (f"hvdp: the job was ended: {ranks} (stalled longer than --stall-timeout). "
-                    "Every rank must make the same collective calls in the same order.")
+                    + (models_differ(self.missing) or
+                       "Every rank must make the same collective calls in the same order."))
         first = self.cause()
         if first is not None:
             rank, why, _ = first
@@ -150,6 +160,34 @@ class JobWatcher:
             ranks = "; ".join(f"rank {r} {why}" for r, why in sorted(causes.items()))
             return f"hvdp: the job failed: {ranks}. The other ranks were stopped (exit code {returncode})."
         return f"hvdp: the job failed with exit code {returncode}; see the output above."
+
+
+def models_differ(missing: Dict[int, str]) -> Optional[str]:
+    """Why, when each of two ranks waits for gradients only the other submitted: their models differ.
+
+    (One rank alone missing names is a rank that is slow or stuck elsewhere: nothing is said.)
+
+    Example:
+        >>> models_differ({0: "hvdp.gradients.0_1of5, hvdp.gradients.0_2of5", 1: "hvdp.gradients.0_1of4"})[:60]
+        'The ranks reduce different gradients, so their models differ'
+    """
+    gradients = {rank: [n.strip() for n in names.split(",") if _GRADIENT.match(n.strip())]
+                 for rank, names in missing.items()}
+    gradients = {rank: names for rank, names in gradients.items() if names}
+    if len(gradients) < 2:
+        return None
+    lists = {rank: {int(m) for m in _KERAS_LIST.findall(", ".join(names))} for rank, names in gradients.items()}
+    every = set().union(*lists.values())
+    shown = []
+    for rank, names in sorted(gradients.items()):
+        own = sorted(every - lists[rank])  # a Keras optimizer's list: the lengths only the others wait for
+        shown.append(f"rank {rank} reduces {' or '.join(map(str, own))} gradients" if lists[rank] and own else
+                     f"rank {rank} has no " + ", ".join(n[len("allreduce."):] for n in names[:3]) +
+                     (" ..." if len(names) > 3 else ""))
+    return ("The ranks reduce different gradients, so their models differ: " + "; ".join(shown) +
+            ". A layer or parameter exists, or is trainable, on some ranks only (built on one rank, frozen "
+            "on one rank, a different architecture). Build the same model on every rank; "
+            "hvdp.check_consistency(model) names the ranks that differ.")
 
 
 def _on(host: str) -> str:

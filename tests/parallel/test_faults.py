@@ -55,6 +55,17 @@ def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_ten
     assert "hvdp: the job was ended: rank 1 never submitted allreduce." in job.output, job.output[-3000:]
 
 
+def test_models_that_differ_between_ranks_end_the_stall_saying_so(tmp_path):
+    """Rank 1's Keras model has a layer more: the stall's message says the models differ, with each
+    rank's number of gradients (was: only the tensor names each rank never submitted)."""
+    job = run_job(["--gloo", "--framework", "tensorflow", "--stall-timeout", "10",
+                   str(WORKERS / "different_models.py")], tmp_path, timeout=240)
+    assert job.returncode != 0
+    assert "The ranks reduce different gradients, so their models differ: rank 0 reduces 2 gradients; " \
+           "rank 1 reduces 4 gradients." in job.output, job.output[-3000:]
+    assert "hvdp.check_consistency(model)" in job.output
+
+
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_a_rank_killed_with_its_bootstrap_is_named_as_lost_with_its_host(controller, tmp_path):
     """No exit status and no record can come (as when a worker's container is killed): the rank's

@@ -255,6 +255,20 @@ def test_job_watcher_names_the_cause_not_the_consequences():
     stall = JobWatcher()
     stall.feed("[1,0]<stderr>:1!: [allreduce.weight, allreduce.bias]\n")
     assert "rank 1 never submitted allreduce.weight, allreduce.bias" in stall.summary(1)
+    assert "Every rank must make the same collective calls" in stall.summary(1)  # one rank slow or stuck
+    keras = JobWatcher()  # rank 1 built a model with one more layer: each waits for the other's list
+    keras.feed("[0]<stdout>:Missing ranks:\n[0]<stdout>:0!: [hvdp.gradients.0_1of6, hvdp.gradients.0_2of6]\n"
+               "[0]<stdout>:1: [hvdp.gradients.0_1of4, hvdp.gradients.0_2of4]\n")  # TensorFlow's names
+    assert "models differ: rank 0 reduces 4 gradients; rank 1 reduces 6 gradients. A layer" in keras.summary(1)
+    assert "hvdp.check_consistency(model)" in keras.summary(1)
+    on_torch = JobWatcher()  # Keras on torch: Horovod's torch names its groups
+    on_torch.feed("[0]<stdout>:0: [grouped_allreduce.hvdp.gradients_1of4, grouped_allreduce.hvdp.gradients_2of4]\n")
+    on_torch.feed("[0]<stdout>:1!: [grouped_allreduce.hvdp.gradients_1of2]\n")
+    assert "models differ: rank 0 reduces 2 gradients; rank 1 reduces 4 gradients." in on_torch.summary(1)
+    torch = JobWatcher()
+    for line in ["[1,0]<stderr>:0: [allreduce.head.weight]\n", "[1,0]<stderr>:1!: [allreduce.fc.weight]\n"]:
+        torch.feed(line)
+    assert "models differ: rank 0 has no head.weight; rank 1 has no fc.weight. A layer" in torch.summary(1)
 
 
 def test_exit_codes_are_described_as_signals_only_when_they_are():
