@@ -196,7 +196,7 @@ def DistributedOptimizer(
             this factor before summing and by ``size()/factor`` after.
         process_set: reduce only within this :class:`ProcessSet` (its members
             train one model; "average" divides by the set's size).
-        check_every: the drift guard's interval (torch steps, Keras ``fit`` batches): after step 1 and
+        check_every: the drift guard's interval (torch steps; Keras ``fit`` batches and eager updates): after step 1 and
             every N steps the replicas' parameters are compared, and any difference
             raises :class:`ReplicaMismatchError`. None: ``HVDP_CHECK_EVERY``, else 100;
             0 turns it off.

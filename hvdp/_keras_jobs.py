@@ -132,7 +132,7 @@ def guard_fits() -> None:
             self.sync()
 
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        optimizer = getattr(self, "optimizer", None)
+        optimizer: Any = getattr(self, "optimizer", None)
         guarded = getattr(optimizer, "_hvdp_after_step", None) is not None
         sync = epoch_join[0]
         if not guarded and sync is None:
@@ -144,7 +144,13 @@ def guard_fits() -> None:
         if guarded:
             callbacks.append(DriftCheck(optimizer))
         bound.arguments["callbacks"] = callbacks
-        return original(*bound.args, **bound.kwargs)
+        if not guarded:
+            return original(*bound.args, **bound.kwargs)
+        optimizer._hvdp_in_fit = True  # its updates are checked by DriftCheck, not by the optimizer's own
+        try:
+            return original(*bound.args, **bound.kwargs)
+        finally:
+            optimizer._hvdp_in_fit = False
 
     fit._hvdp_guards = True  # type: ignore[attr-defined]
     keras.Model.fit = fit

@@ -73,7 +73,12 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
             grads = [
                 _zeros_like(variable) if grad is None else grad for grad, variable in zip(grads, variables)
             ]
-            return super().apply(grads, trainable_variables)
+            result = super().apply(grads, trainable_variables)
+            after_step = getattr(self, "_hvdp_after_step", None)
+            if after_step is not None and not getattr(self, "_hvdp_in_fit", False) and _runs_eagerly():
+                # A custom loop's update (fit runs the guard from a callback): the drift guard, each step.
+                after_step(lambda: [(v.path, _to_numpy(v.value)) for v in variables])
+            return result
 
         def _clip_gradients(self, grads: List[Any]) -> List[Any]:
             reduced = self._hvdp_reduce(list(grads))
@@ -87,6 +92,23 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
     _DistributedKerasOptimizer.__module__ = cls.__module__
     optimizer.__class__ = _DistributedKerasOptimizer
     return optimizer
+
+
+def _runs_eagerly() -> bool:
+    """True unless this runs while TensorFlow traces a function (where Python runs once, not each step)."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return True
+    import tensorflow as tf
+
+    return bool(tf.executing_eagerly())
+
+
+def _to_numpy(value: Any) -> Any:
+    from keras import ops
+
+    return ops.convert_to_numpy(value)
 
 
 def _zeros_like(variable: Any) -> Any:

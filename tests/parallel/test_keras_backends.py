@@ -83,6 +83,16 @@ def test_fit_runs_the_drift_guard_and_stops_replicas_that_start_apart(job):
         assert "hvdp.broadcast_state(model, optimizer)" in raised
 
 
+def test_the_guard_checks_an_eager_custom_loop_too(job):
+    """optimizer.apply in an eager custom loop (GradientTape; torch autograd): replicas started apart
+    are stopped after step 1; started equal, the loop runs its 3 steps."""
+    for rank in job.ranks:
+        loop = rank["custom_loop"]
+        assert loop["no_broadcast"]["steps"] == 0, loop
+        assert "Replicas drifted apart by step 1" in loop["no_broadcast"]["raised"], loop
+        assert loop["broadcast"] == {"raised": None, "steps": 3}, loop
+
+
 def test_join_around_fit_trains_uneven_batches_with_ddp_join_meaning(job):
     """Rank 0 has 5 batches an epoch, rank 1 four (2 epochs): the ranks join at each epoch's end,
     the replicas end equal (weights and Adam state, 10 iterations), equal to one process in which

@@ -165,6 +165,48 @@ def drift_in_fit(rank: int) -> dict:
         return {"raised": str(exc)}
 
 
+def drift_in_custom_loop(rank: int) -> dict:
+    """An eager custom loop (GradientTape on TensorFlow, autograd on torch) steps the optimizer itself:
+    without broadcast_state the guard stops it after step 1; with it, 3 steps run clean."""
+
+    def gradients(model: keras.Model, x: np.ndarray, y: np.ndarray) -> list:
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                value = loss()(y, model(x, training=True))
+            return tape.gradient(value, model.trainable_variables)
+        model.zero_grad()
+        loss()(y, model(x, training=True)).backward()
+        return [variable.value.grad for variable in model.trainable_variables]
+
+    def apply(optimizer: Any, grads: list, model: keras.Model) -> None:
+        if keras.backend.backend() == "tensorflow":
+            optimizer.apply(grads, model.trainable_variables)
+            return
+        import torch
+
+        with torch.no_grad():
+            optimizer.apply(grads, model.trainable_variables)
+
+    out = {}
+    for case in ("no_broadcast", "broadcast"):
+        model = make_model(seed=rank)
+        optimizer = hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        if case == "broadcast":
+            hvdp.broadcast_state(model, optimizer)
+        x, y = rank_data(500 + rank, PER_RANK_BATCH)
+        steps = 0
+        try:
+            for _ in range(3):
+                apply(optimizer, gradients(model, x, y), model)
+                steps += 1
+            out[case] = {"raised": None, "steps": steps}
+        except hvdp.ReplicaMismatchError as exc:
+            out[case] = {"raised": str(exc), "steps": steps}
+    return out
+
+
 def uneven_fit(rank: int, size: int) -> dict:
     """hvdp.join around fit: rank r has 5 - r batches an epoch, 2 epochs. Against one process on the
     union of each step's batches, a rank that ran out padded with zero-weight samples (its zeros,
@@ -205,7 +247,8 @@ def main() -> None:
               "fit": fit_against_union(rank, size), "callbacks": callbacks(rank, size),
               "resume": save_and_resume(rank, size),
               "helper": helper_model_on_one_rank(rank),
-              "drift": drift_in_fit(rank), "uneven": uneven_fit(rank, size)}
+              "drift": drift_in_fit(rank), "custom_loop": drift_in_custom_loop(rank),
+              "uneven": uneven_fit(rank, size)}
     _report.write(rank, record)
     hvdp.shutdown()
 
