@@ -144,13 +144,13 @@ def guard_fits() -> None:
         if guarded:
             callbacks.append(DriftCheck(optimizer))
         bound.arguments["callbacks"] = callbacks
-        if not guarded:
-            return original(*bound.args, **bound.kwargs)
-        optimizer._hvdp_in_fit = True  # its updates are checked by DriftCheck, not by the optimizer's own
+        if guarded:  # its updates are checked by DriftCheck, not by the optimizer's own check
+            optimizer._hvdp_in_fit = True
         try:
             return original(*bound.args, **bound.kwargs)
         finally:
-            optimizer._hvdp_in_fit = False
+            if guarded:
+                optimizer._hvdp_in_fit = False
 
     fit._hvdp_guards = True  # type: ignore[attr-defined]
     keras.Model.fit = fit

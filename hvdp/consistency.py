@@ -144,6 +144,18 @@ class DriftGuard:
 _job_steps = [0]
 
 
+def step_counts(guard: Optional[DriftGuard]) -> List[int]:
+    """This rank's step counters: ``guard``'s (0 without one) and the whole job's."""
+    return [0 if guard is None else guard.steps, _job_steps[0]]
+
+
+def adopt_step_counts(guard: Optional[DriftGuard], counts: List[int]) -> None:
+    """Take another rank's :func:`step_counts` (after ``hvdp.join``, the state this rank now holds is its)."""
+    if guard is not None:
+        guard.steps = counts[0]
+    _job_steps[0] = counts[1]
+
+
 def uneven_steps(backend: Any) -> List[str]:
     """At shutdown, once every rank has joined: a line naming each rank's step count if they differ.
 

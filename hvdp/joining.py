@@ -54,11 +54,8 @@ class Join:
         last = backend.join()
         backend.broadcast_state(self.model, self.optimizer, last, None)
         guard = getattr(self.optimizer, "_hvdp_guard", None)
-        counts = backend.broadcast_object([0 if guard is None else guard.steps, _consistency._job_steps[0]],
-                                          last, None, "hvdp.join.steps")
-        if guard is not None:
-            guard.steps = counts[0]
-        _consistency._job_steps[0] = counts[1]
+        _consistency.adopt_step_counts(guard, backend.broadcast_object(
+            _consistency.step_counts(guard), last, None, "hvdp.join.steps"))
         self.last_rank = last
         return last
 

@@ -77,7 +77,7 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
             after_step = getattr(self, "_hvdp_after_step", None)
             if after_step is not None and not getattr(self, "_hvdp_in_fit", False) and _runs_eagerly():
                 # A custom loop's update (fit runs the guard from a callback): the drift guard, each step.
-                after_step(lambda: [(v.path, _to_numpy(v.value)) for v in variables])
+                after_step(lambda: _named(variables, _to_numpy))
             return result
 
         def _clip_gradients(self, grads: List[Any]) -> List[Any]:
@@ -145,7 +145,11 @@ def broadcast_state(model: Any, optimizer: Any, root_rank: int, broadcast: Broad
 
 def named_parameters(model: Any, to_numpy: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
     """(path, array) for each trainable variable of a Keras model."""
-    return [(variable.path, to_numpy(variable.value)) for variable in model.trainable_variables]
+    return _named(model.trainable_variables, to_numpy)
+
+
+def _named(variables: Sequence[Any], to_numpy: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
+    return [(variable.path, to_numpy(variable.value)) for variable in variables]
 
 
 def export_state(model: Any, optimizer: Any, to_numpy: Callable[[Any], Any]) -> Tuple[Dict[str, Any], Any]:

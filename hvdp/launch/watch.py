@@ -19,9 +19,8 @@ _MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on
 _MPI_STATUS = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
 _MPI_CODE = re.compile(r"Exit code:\s+(\d+)")
 _RAISED = re.compile(r"^\[(?:\d+,)?(\d+)\]<stderr>:([\w.]*(?:Error|Exception|Interrupt)): (.*)$")
-_STALLED = re.compile(r"(?:<stderr>:)?(\d+)!: \[(.*?)\]")
-#: Every rank of a stall report's "Missing ranks:" list, stalled past the limit (!) or not yet.
-_MISSING = re.compile(r"(?:^|<std(?:out|err)>:|\] )(\d+)!?: \[(.*?)\]", re.MULTILINE)
+#: A rank of a stall report's "Missing ranks:" list and its tensors; "!" marks one stalled past the limit.
+_MISSING = re.compile(r"(?:^|<std(?:out|err)>:|\] )(\d+)(!?): \[(.*?)\]", re.MULTILINE)
 #: A Keras optimizer's gradient list (hvdp.gradients.N, grouped by Horovod as _KofM).
 _KERAS_LIST = re.compile(r"hvdp\.gradients(?:\.\d+)?_\d+of(\d+)")
 #: A gradient's collective: a Keras optimizer's list (TensorFlow, torch) or a torch parameter's allreduce.
@@ -132,10 +131,10 @@ class JobWatcher:
         if found and self._mpi_rank is not None:
             self.failed.setdefault(self._mpi_rank, describe_exit(int(found.group(1))))
             self._mpi_rank = None
-        for rank, tensors in _STALLED.findall(line):
-            self.stalled[int(rank)] = tensors
-        for rank, tensors in _MISSING.findall(line):
+        for rank, past_limit, tensors in _MISSING.findall(line):
             self.missing[int(rank)] = tensors
+            if past_limit:
+                self.stalled[int(rank)] = tensors
         found = _RAISED.search(line.rstrip("\n"))
         if found and "Horovod has been shut down" not in found.group(3):  # a consequence, not a cause
             self.raised[int(found.group(1))] = f"{found.group(2).rsplit('.', 1)[-1]}: {found.group(3)}"
@@ -182,7 +181,7 @@ def models_differ(missing: Dict[int, str]) -> Optional[str]:
     for rank, names in sorted(gradients.items()):
         own = sorted(every - lists[rank])  # a Keras optimizer's list: the lengths only the others wait for
         shown.append(f"rank {rank} reduces {' or '.join(map(str, own))} gradients" if lists[rank] and own else
-                     f"rank {rank} has no " + ", ".join(n[len("allreduce."):] for n in names[:3]) +
+                     f"rank {rank} has no " + ", ".join(n.removeprefix("allreduce.") for n in names[:3]) +
                      (" ..." if len(names) > 3 else ""))
     return ("The ranks reduce different gradients, so their models differ: " + "; ".join(shown) +
             ". A layer or parameter exists, or is trainable, on some ranks only (built on one rank, frozen "
