@@ -3,7 +3,8 @@
 * comm_subset.py: under plain `mpirun -np 4` (and `hvdp run -np 4 --mpi`), ranks 0-1 train
   with hvdp.init(comm=...) while ranks 2-3, which never start hvdp, run mpi4py collectives.
 * process_sets.py: sets [0, 1] and [2, 3] train two models at once (registered at init under
-  mpirun, or added while running under `hvdp run`, i.e. Gloo).
+  mpirun and `hvdp run` (Gloo), or added while running under `hvdp run`); then, in the
+  same job, each set of three partitions of the 4 ranks trains like one process on its members' data.
 * examples/ensemble.py: each set's first member prints its model's accuracy.
 """
 
@@ -91,7 +92,8 @@ def test_a_comm_that_does_not_fit_is_refused_with_the_fix(subset):
 
 # --- process sets: several models in one job -------------------------------------------------
 
-SET_JOBS = [("torch", "static", "mpirun"), ("tensorflow", "static", "mpirun"),
+#: One job per (framework, registration, launcher), the sets' checks and the partitions' in each.
+SET_JOBS = [("torch", "static", "mpirun"), ("tensorflow", "static", "mpirun"), ("torch", "static", "hvdp-run-gloo"),
             ("torch", "dynamic", "hvdp-run-gloo"), ("tensorflow", "dynamic", "hvdp-run-gloo")]
 
 
@@ -166,24 +168,13 @@ def test_misusing_process_sets_is_refused_with_the_fix(sets_job):
         assert r["after_errors"] == 4, "the job did not survive the refused calls"
 
 
-# --- the README's static pattern, for several partitions of the job -------------------------
-
-PARTITION_JOBS = [("torch", "hvdp-run-gloo"), ("torch", "hvdp-run-mpi"), ("torch", "mpirun"),
-                  ("tensorflow", "hvdp-run-gloo"), ("tensorflow", "mpirun")]
-
-
-@pytest.fixture(scope="module", params=PARTITION_JOBS, ids=["-".join(p) for p in PARTITION_JOBS])
-def partitions_job(request, tmp_path_factory):
-    framework, launcher = request.param
-    job = launch(str(WORKERS / "process_set_partitions.py"), [framework], launcher, framework,
-                 tmp_path_factory.mktemp("partitions"))
-    return with_reports(job)
+# --- partitions of the job, in the same jobs ----------------------------------------------------
 
 
 @pytest.mark.parametrize("partition, expected", [
     ("two", [[0, 1], [2, 3]]), ("three", [[0, 2], [1], [3]]), ("three_and_one", [[0], [1, 2, 3]])])
-def test_each_set_of_a_partition_trains_like_one_process_on_its_members_data(partitions_job, partition, expected):
-    reports = {r["rank"]: r["partitions"][partition] for r in partitions_job}
+def test_each_set_of_a_partition_trains_like_one_process_on_its_members_data(sets_job, partition, expected):
+    reports = {r["rank"]: r["partitions"][partition] for r in sets_job}
     assert sorted({tuple(r["set"]) for r in reports.values()}) == [tuple(s) for s in expected]
     for members in expected:
         got = [reports[m] for m in members]

@@ -2,8 +2,15 @@
 
 Sets A = [0, 1] and B = [2, 3] each train their own model at the same time; C = [1, 2]
 overlaps both and ALL = [0, 1, 2, 3] is the whole job. ``static`` registers the sets
-in hvdp.init(process_sets=...), ``dynamic`` adds them after hvdp.init(process_sets="dynamic").
-Every rank reports the collectives it ran in its sets and how misuse is refused.
+in hvdp.init(process_sets=...) (the README's pattern), ``dynamic`` adds them after
+hvdp.init(process_sets="dynamic"). Every rank reports the collectives it ran in its sets
+and how misuse is refused.
+
+Then the partitions of PARTITIONS, registered the same way: partition after partition, each
+rank takes its set with hvdp.my_process_set, builds a model from its own random weights, wraps
+Adam in DistributedOptimizer(process_set=), broadcast_state(process_set=) and trains on its own
+data. The sets of a partition have different sizes, so they finish at different times: ranks
+that are done must wait for the others instead of ending the job under them.
 """
 
 from __future__ import annotations
@@ -19,16 +26,25 @@ import _report
 import _train
 from _report import refusal
 
+#: Two sets as in the README (A and B themselves); three sets of sizes 1, 2 and 1 listed out of order
+#: with unsorted ranks; sets of sizes 3 and 1 (the single rank finishes first and waits at exit).
+PARTITIONS = {"two": [[0, 1], [2, 3]], "three": [[3], [2, 0], [1]], "three_and_one": [[3, 1, 2], [0]]}
+
 
 def main() -> None:
     framework, mode = sys.argv[1], sys.argv[2]
     if mode == "static":
         a, b, c, everyone = (hvdp.ProcessSet(r) for r in ([0, 1], [3, 2], [1, 2], range(4)))
-        hvdp.init(framework, process_sets=[a, b, c, everyone])
+        partitions = {name: [a, b] if name == "two" else [hvdp.ProcessSet(ranks) for ranks in partition]
+                      for name, partition in PARTITIONS.items()}
+        hvdp.init(framework, process_sets=[a, b, c, everyone, *(ps for name, partition in partitions.items()
+                                                                 if name != "two" for ps in partition)])
     else:
         hvdp.init(framework, process_sets="dynamic")
         a, b = hvdp.add_process_set([0, 1]), hvdp.add_process_set(hvdp.ProcessSet([3, 2]))
         c, everyone = hvdp.add_process_set([1, 2]), hvdp.add_process_set(range(4))
+        partitions = {name: [a, b] if name == "two" else [hvdp.add_process_set(ranks) for ranks in partition]
+                      for name, partition in PARTITIONS.items()}
     rank = hvdp.rank()
     mine = hvdp.my_process_set([a, b])
     other = b if mine is a else a
@@ -65,6 +81,10 @@ def main() -> None:
     else:
         record["errors"]["add_existing_ranks"] = refusal(lambda: hvdp.add_process_set([1, 0]))
     record["after_errors"] = hvdp.allreduce(1, op="sum")  # the job still works
+    record["partitions"] = {}
+    for name, partition in partitions.items():
+        group = hvdp.my_process_set(partition)
+        record["partitions"][name] = {"set": list(group.ranks), **_train.train(framework, group, optimizer="adam")}
     _report.write(rank, record)
     hvdp.shutdown()
 

@@ -1,0 +1,37 @@
+""".ci/suite_time.py, the guard against the suite's regrowth: it reads pytest's JUnit report, prints the
+slowest tests and the time per file, and fails when the total passes the budget by more than the margin."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def report(path: Path, seconds: float, cases: dict) -> Path:
+    body = "".join(f'<testcase classname="tests.parallel.{module}" name="{name}" time="{t}"/>'
+                   for (module, name), t in cases.items())
+    path.write_text(f'<testsuites><testsuite name="pytest" tests="{len(cases)}" time="{seconds}">{body}'
+                    "</testsuite></testsuites>")
+    return path
+
+
+def suite_time(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / ".ci" / "suite_time.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_total_within_the_margin_passes_and_past_it_fails_saying_what_to_do(tmp_path):
+    junit = report(tmp_path / "junit.xml", 1000.0, {("test_core", "a"): 500.0, ("test_core", "b"): 200.0,
+                                                     ("test_data_path", "c"): 300.0})
+    within = suite_time(junit, "--budget", "600", "--margin", "1.0")
+    assert within.returncode == 0, within.stdout
+    assert "the suite: 3 tests in 1000 s (budget 600 s, failing above 1200 s)" in within.stdout
+    assert "700.0 s  tests/parallel/test_core.py" in within.stdout  # the time per file
+    assert within.stdout.index("500.0 s  tests.parallel.test_core::a") < within.stdout.index("300.0 s")
+    past = suite_time(junit, "--budget", "400", "--margin", "1.0")
+    assert past.returncode == 1, past.stdout
+    assert "FAILED: the suite took 1000 s, over its budget of 400 s by more than 100%" in past.stdout
+    assert "Group the new checks into shared jobs" in past.stdout
