@@ -6,7 +6,8 @@ in hvdp.init(process_sets=...) (the README's pattern), ``dynamic`` adds them aft
 hvdp.init(process_sets="dynamic"). Every rank reports the collectives it ran in its sets
 and how misuse is refused.
 
-Then the partitions of PARTITIONS, registered the same way: partition after partition, each
+Then three partitions of the job (A and B, and MORE_PARTITIONS), registered the same way:
+partition after partition, each
 rank takes its set with hvdp.my_process_set, builds a model from its own random weights, wraps
 Adam in DistributedOptimizer(process_set=), broadcast_state(process_set=) and trains on its own
 data. The sets of a partition have different sizes, so they finish at different times: ranks
@@ -26,25 +27,23 @@ import _report
 import _train
 from _report import refusal
 
-#: Two sets as in the README (A and B themselves); three sets of sizes 1, 2 and 1 listed out of order
-#: with unsorted ranks; sets of sizes 3 and 1 (the single rank finishes first and waits at exit).
-PARTITIONS = {"two": [[0, 1], [2, 3]], "three": [[3], [2, 0], [1]], "three_and_one": [[3, 1, 2], [0]]}
+#: Besides "two" (A and B themselves, as in the README): three sets of sizes 1, 2 and 1 listed out of
+#: order with unsorted ranks; sets of sizes 3 and 1 (the single rank finishes first and waits at exit).
+MORE_PARTITIONS = {"three": [[3], [2, 0], [1]], "three_and_one": [[3, 1, 2], [0]]}
 
 
 def main() -> None:
     framework, mode = sys.argv[1], sys.argv[2]
     if mode == "static":
         a, b, c, everyone = (hvdp.ProcessSet(r) for r in ([0, 1], [3, 2], [1, 2], range(4)))
-        partitions = {name: [a, b] if name == "two" else [hvdp.ProcessSet(ranks) for ranks in partition]
-                      for name, partition in PARTITIONS.items()}
-        hvdp.init(framework, process_sets=[a, b, c, everyone, *(ps for name, partition in partitions.items()
-                                                                 if name != "two" for ps in partition)])
+        more = {name: [hvdp.ProcessSet(ranks) for ranks in sets] for name, sets in MORE_PARTITIONS.items()}
+        hvdp.init(framework, process_sets=[a, b, c, everyone, *(ps for sets in more.values() for ps in sets)])
     else:
         hvdp.init(framework, process_sets="dynamic")
         a, b = hvdp.add_process_set([0, 1]), hvdp.add_process_set(hvdp.ProcessSet([3, 2]))
         c, everyone = hvdp.add_process_set([1, 2]), hvdp.add_process_set(range(4))
-        partitions = {name: [a, b] if name == "two" else [hvdp.add_process_set(ranks) for ranks in partition]
-                      for name, partition in PARTITIONS.items()}
+        more = {name: [hvdp.add_process_set(ranks) for ranks in sets] for name, sets in MORE_PARTITIONS.items()}
+    partitions = {"two": [a, b], **more}
     rank = hvdp.rank()
     mine = hvdp.my_process_set([a, b])
     other = b if mine is a else a
