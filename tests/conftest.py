@@ -1,5 +1,6 @@
 """Markers by tier, from where a test lives: ``-m unit`` (one process, fast), ``-m parallel`` (real jobs
-under a launcher), ``-m cluster`` (network namespaces, sshd, Slurm; root), ``-m docs`` (README's blocks)."""
+under a launcher), ``-m cluster`` (network namespaces, sshd, Slurm; root), ``-m docs`` (the blocks of README.md
+and docs/*.md)."""
 
 from __future__ import annotations
 

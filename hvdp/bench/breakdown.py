@@ -41,7 +41,7 @@ MARKS = ("start", "alloc", "enqueue", "enqueued", "done", "end", "freed")
 PYTHON_PHASES = ("python before", "output allocation", "enqueue", "wait", "python after", "free result")
 TIMELINE_PHASES = ("cycle wait", "negotiation", "to op start", "untimed copy", "memcpy in fusion buffer",
                    "transport", "memcpy out fusion buffer", "op end", "completion notice")
-#: What each phase is, for the table's legend and the README.
+#: What each phase is, for the table's legend and docs/performance.md.
 PHASE_NOTES = {
     "python before": "hvdp's argument checks and conversion to a tensor (in place: Horovod's Python)",
     "output allocation": "the out-of-place result tensor (Horovod's allreduce_async: tensor.new)",

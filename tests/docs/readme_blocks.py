@@ -1,7 +1,7 @@
-"""pytest plugin loaded by every rank of the README jobs (see test_readme.py).
+"""pytest plugin loaded by every rank of the docs jobs (see test_readme.py).
 
-Each rank runs ``pytest -p readme_blocks --markdown-docs README.md``: pytest-markdown-docs
-turns every ```python fence into a test, and this plugin
+Each rank runs ``pytest -p readme_blocks --markdown-docs README.md docs/*.md``:
+pytest-markdown-docs turns every ```python fence into a test, and this plugin
 
 * gives each block the names its section assumes (``model``, ``optimizer``, ``x``, ...),
   chosen by the ``fixture:NAME`` in the fence's info string (invisible when rendered),
@@ -70,7 +70,7 @@ def jobs_of(fixture_names) -> List[str]:
     """The jobs that run a block requesting these fixtures."""
     scenes = [name for name in fixture_names if name in JOBS]
     if len(scenes) > 1:
-        raise ValueError(f"a README block names several scenes: {scenes}; give it one")
+        raise ValueError(f"a docs block names several scenes: {scenes}; give it one")
     return JOBS[scenes[0]] if scenes else DEFAULT_JOBS
 
 
@@ -88,7 +88,7 @@ def _data(rank: int, n: int = 32) -> tuple:
     return x, (x[:, 0] > 0).astype(np.int64) + 2 * (x[:, 1] > 0).astype(np.int64)
 
 
-# --- scenes: the names a README section assumes ------------------------------------------------
+# --- scenes: the names a docs section assumes ------------------------------------------------
 
 def _torch_model(rank: int) -> Dict[str, Any]:
     import keras  # on torch (hvdp run sets KERAS_BACKEND): the Training section wraps a Keras optimizer too
@@ -279,7 +279,7 @@ def _check_replicas() -> None:
 @pytest.fixture(autouse=True)
 def _shared_folder_and_identical_replicas(request):
     """Run each block in a folder of its own, shared by the ranks; afterwards the block's model
-    must be the same on every rank (every README block that trains or broadcasts promises it).
+    must be the same on every rank (every docs block that trains or broadcasts promises it).
     hvdp stays started for the next block (a block that shuts it down runs last)."""
     folder = Path(os.environ["HVDP_DOCS_OUT"]) / "work" / f"line{_line(request.node)}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -372,7 +372,7 @@ class DocstringItem(pytest.Item):
 
     def __init__(self, *, scene: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.fixturenames = (scene,)  # what jobs_of() reads, as for README blocks
+        self.fixturenames = (scene,)  # what jobs_of() reads, as for docs blocks
         self.scene = scene
 
     def runtest(self) -> None:
@@ -432,6 +432,7 @@ def pytest_collection_modifyitems(config, items):
     _collected.append(len(items))
     keep, drop = [], []
     for item in items:
+        _keys[item.nodeid] = _key(item)
         (keep if here in jobs_of(getattr(item, "fixturenames", ())) else drop).append(item)
     # a block that shuts hvdp down ends the job: run it after the others
     items[:] = sorted(keep, key=lambda item: "hvdp.shutdown()" in getattr(item, "code", ""))
@@ -441,13 +442,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _key(item) -> str:
-    """A README block by the line of its fence, a docstring by its doctest name."""
-    return str(item.start_line) if _line(item) is not None else item.name
+    """A block by its file and the line of its fence (``docs/api.md:67``), a docstring by its doctest name."""
+    if _line(item) is None:
+        return item.name
+    return f"{Path(str(item.path)).resolve().relative_to(Path.cwd().resolve()).as_posix()}:{item.start_line}"
+
+
+#: pytest's node id -> the key of its block or docstring, for the reports
+_keys: Dict[str, str] = {}
 
 
 def pytest_runtest_logreport(report):
-    _, line, domain = report.location
-    key = str(line) if domain.startswith("[CodeFence") else domain
+    key = _keys.get(report.nodeid, report.nodeid)
     entry = _results.setdefault(key, {"outcome": "passed", "phases": {}})
     entry["phases"][report.when] = report.outcome
     if report.outcome != "passed" and entry["outcome"] != "failed":

@@ -2,7 +2,7 @@
 
 * One process: ``pytest --doctest-modules hvdp`` runs every example not marked ``+SKIP``.
 * The examples marked ``+SKIP`` need a started job (a model, an optimizer, other ranks):
-  those of the docstrings in ``readme_blocks.DOCSTRINGS`` run, skips lifted, in the README
+  those of the docstrings in ``readme_blocks.DOCSTRINGS`` run, skips lifted, in the docs
   jobs of test_readme.py (2 processes, torch or TensorFlow); the others are listed in
   ``NOT_RUN`` with the reason. A new skipped example must join one or the other.
 """
@@ -24,10 +24,11 @@ from test_readme import HERE, REPO
 
 #: files `hvdp build` puts into Horovod's source: importable only from inside Horovod
 NOT_MODULES = "hvdp/horovod_patches"
-_FOUR = "needs process sets registered at the start of a 4-process job; README's process-set block (the four job)"
+_FOUR = ("needs process sets registered at the start of a 4-process job; the process-set block of "
+         "docs/process-sets.md (the four job)")
 NOT_RUN: Dict[str, str] = {
-    "hvdp.init": "hvdp.init(comm=sub) needs an MPI job split in two; README's communicator block runs it under "
-                 "mpirun -np 4",
+    "hvdp.init": "hvdp.init(comm=sub) needs an MPI job split in two; the communicator block of "
+                 "docs/process-sets.md runs it under mpirun -np 4",
     "hvdp.add_process_set": _FOUR + " runs the static form",
     "hvdp.my_process_set": _FOUR + " runs these lines",
     "hvdp.broadcast_state": "its second line needs a process set " + _FOUR[len("needs process sets"):],
@@ -35,7 +36,7 @@ NOT_RUN: Dict[str, str] = {
     "hvdp.process_sets.ProcessSet.included": _FOUR,
     "hvdp.build.build": "builds Horovod (about 4 min on 2 cores); scripts/setup.sh runs hvdp build",
     "hvdp.keras.wrap_optimizer": "an internal helper given a reduce function; hvdp.DistributedOptimizer wraps "
-                                 "Keras optimizers with it in README's Keras blocks",
+                                 "Keras optimizers with it in the docs' Keras blocks",
     "hvdp.profiler.enable": "turns recording on for the rest of the process, into /tmp/profile; "
                             "tests/unit/test_profiler_recording.py covers enable()",
 }
@@ -65,7 +66,7 @@ def test_every_skipped_example_runs_in_a_job_or_says_why_not():
     in_jobs, not_run = set(readme_blocks.DOCSTRINGS), set(NOT_RUN)
     assert not in_jobs & not_run, f"both run in a job and listed as not run: {in_jobs & not_run}"
     assert with_skips == in_jobs | not_run, (
-        f"skipped examples neither run in a README job nor said why: {sorted(with_skips - in_jobs - not_run)}; "
+        f"skipped examples neither run in a docs job nor said why: {sorted(with_skips - in_jobs - not_run)}; "
         f"listed but without skipped examples: {sorted((in_jobs | not_run) - with_skips)}")
 
 

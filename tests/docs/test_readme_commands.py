@@ -1,11 +1,11 @@
-"""The commands README.md shows in its shell blocks: each is run here, run by another test
+"""The commands README.md and docs/*.md show in their shell blocks: each is run here, run by another test
 (named, and checked to still mention it), or not run, with the reason; a block holding a
 command that is not run says why in an HTML comment right above it.
 
 Run here exactly as written (from the repository root or from a folder holding the files the
 line names): the TensorFlow/MPI training line, ``--dry-run``, the elastic line (its
-``train.py`` is the README's elastic block itself), the two MPI-program lines (their
-``my_mpi_program.py`` is the README's communicator block), and the profiler transcript
+``train.py`` is the elastic block of docs/elastic.md itself), the two MPI-program lines (their
+``my_mpi_program.py`` is the communicator block of docs/process-sets.md), and the profiler transcript
 (with its ``/tmp/prof`` moved into the test's own folder).
 """
 
@@ -118,13 +118,13 @@ def command_blocks() -> List[Tuple[Fence, List[str]]]:
 def test_every_readme_command_is_run_or_says_why_not():
     blocks = command_blocks()
     found = [c for _, cs in blocks for c in cs]
-    assert len(found) >= 30, f"only {len(found)} commands found in README.md: is the parser right?"
+    assert len(found) >= 30, f"only {len(found)} commands found in README.md and docs/*.md: is the parser right?"
     registered = {**HERE, **ELSEWHERE, **NOT_RUN}
     assert len(registered) == len(HERE) + len(ELSEWHERE) + len(NOT_RUN), "a command is registered twice"
     missing = sorted(set(found) - set(registered))
-    assert not missing, f"README.md commands that no test runs and none says why: {missing}"
+    assert not missing, f"commands of README.md or docs/*.md that no test runs and none says why: {missing}"
     gone = sorted(set(registered) - set(found))
-    assert not gone, f"registered commands no longer in README.md (update this file): {gone}"
+    assert not gone, f"registered commands no longer in README.md or docs/*.md (update this file): {gone}"
     for name in set(HERE.values()):
         assert callable(globals().get(name)), f"{name} is not a test of this file"
     for path, needle in ELSEWHERE.values():
@@ -133,16 +133,16 @@ def test_every_readme_command_is_run_or_says_why_not():
         not_run = [c for c in cmds if c in NOT_RUN]
         if not_run:
             assert fence.comment_above.startswith(NOT_RUN_MARK), \
-                f"README.md:{fence.line}: {not_run} are not run; say why in '{NOT_RUN_MARK} ... -->' above the block"
+                f"{fence.where}: {not_run} are not run; say why in '{NOT_RUN_MARK} ... -->' above the block"
         else:
             assert not fence.comment_above.startswith(NOT_RUN_MARK), \
-                f"README.md:{fence.line}: every command of this block is run; drop its not-run comment"
+                f"{fence.where}: every command of this block is run; drop its not-run comment"
 
 
 # --- the commands run here ---------------------------------------------------------------------
 
 def run(command: str, cwd: Path, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run a README command line as a user would, with the environment's bin/ first on PATH."""
+    """Run a documented command line as a user would, with the environment's bin/ first on PATH."""
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1",
            "TF_CPP_MIN_LOG_LEVEL": "2"}
     for var in ("HVDP_FRAMEWORK", "KERAS_BACKEND", "OMP_NUM_THREADS"):
@@ -154,9 +154,9 @@ def run(command: str, cwd: Path, timeout: int = TIMEOUT_S) -> subprocess.Complet
 
 
 def readme_block(needle: str) -> str:
-    """The code of the README python block holding `needle` (exactly one)."""
+    """The code of the python block (README.md, docs/*.md) holding `needle` (exactly one)."""
     found = [f.code for f in python_fences() if needle in f.code]
-    assert len(found) == 1, f"{len(found)} README python blocks hold {needle!r}"
+    assert len(found) == 1, f"{len(found)} python blocks of the docs hold {needle!r}"
     return found[0]
 
 
@@ -212,7 +212,7 @@ with open(f"report-{hvdp.rank()}.json", "w") as f:
 
 
 def test_elastic_line(tmp_path):
-    """The README's elastic block is train.py; the discovery script lists two names of this
+    """The elastic block (docs/elastic.md) is train.py; the discovery script lists two names of this
     machine (Horovod's elastic driver needs two hosts to pick a network interface)."""
     (line,) = command("test_elastic_line")
     script = tmp_path / "discover_hosts.sh"
@@ -240,7 +240,7 @@ with open(f"report-{world.rank}.json", "w") as f:
 
 @pytest.mark.parametrize("line", command("test_mpi_program_lines"), ids=["mpirun", "hvdp-run-mpi"])
 def test_mpi_program_lines(line, tmp_path):
-    """my_mpi_program.py is the README's communicator block, then a report of what each process saw."""
+    """my_mpi_program.py is the communicator block (docs/process-sets.md), then a report of what each process saw."""
     (tmp_path / ".venv").symlink_to(VENV_BIN.parent)  # the line names .venv/bin/python
     (tmp_path / "my_mpi_program.py").write_text(readme_block("comm=trainers") + MPI_REPORT)
     proc = run(line, tmp_path)
