@@ -11,7 +11,7 @@ import collections
 import sys
 import xml.etree.ElementTree as ET
 
-#: The suite's budget on this machine kind (2 cores): .ci/run's 30 minutes less its set-up (README, Tests).
+#: The suite's budget on this machine kind (2 cores): .ci/run's 30 minutes less its set-up (docs/contributing.md).
 BUDGET_S = 1800.0
 #: These machines vary up to 2x from day to day (the same Horovod build took 235 s and 499 s): a total
 #: up to BUDGET_S * (1 + MARGIN) passes (60 min: with a Horovod build, still well within CI's 90);
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
           f"failing above {limit:.0f} s)")
     if total > limit:
         print(f"[ci] FAILED: the suite took {total:.0f} s, over its budget of {args.budget:.0f} s by more than "
-              f"{args.margin:.0%}. Group the new checks into shared jobs (README, Tests) or raise the budget "
+              f"{args.margin:.0%}. Group the new checks into shared jobs (docs/contributing.md) or raise the budget "
               "in .ci/suite_time.py with the reason.")
         return 1
     return 0

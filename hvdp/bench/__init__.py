@@ -49,12 +49,13 @@ from hvdp.bench.plan import (
     plan,
 )
 from hvdp.bench.report import Target, format_table, machine, plot, summarize, targets
-from hvdp.bench.runner import JOB_TIMEOUT_S, THREAD_VARS, hvdp_env, job, run_contender, run_groups
+from hvdp.bench.runner import JOB_TIMEOUT_S, SMOKE_JOBS_AT_ONCE, THREAD_VARS, hvdp_env, job, run_contender, run_groups
 from hvdp.bench.stats import algbw, busbw, efficiency, median, ratio
 from hvdp.errors import BenchError
 
 __all__ = [
-    "DESCRIPTION", "EPILOG", "JOB_TIMEOUT_S", "MALLOC_SETTINGS", "SECTIONS", "SWEEP_BYTES", "THREAD_VARS",
+    "DESCRIPTION", "EPILOG", "JOB_TIMEOUT_S", "MALLOC_SETTINGS", "SECTIONS", "SMOKE_JOBS_AT_ONCE", "SWEEP_BYTES",
+    "THREAD_VARS",
     "BenchError", "Contender",
     "Group", "Settings", "Target", "add_arguments", "algbw", "busbw", "check_writable", "efficiency", "format_table",
     "hvdp_env", "job", "machine", "main", "make_settings", "median", "parse_breakdown_sizes", "parse_sections", "plan",
@@ -123,7 +124,9 @@ def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"hvdp bench {settings.mode}: {len(groups)} comparisons, {settings.rounds} rounds, "
-          f"{settings.steps} steps after {settings.warmup} warm-up, contenders alternated", flush=True)
+          f"{settings.steps} steps after {settings.warmup} warm-up, "
+          + (f"{SMOKE_JOBS_AT_ONCE} jobs at a time (a smoke run measures nothing)" if settings.mode == "smoke"
+             else "contenders alternated"), flush=True)
     run_groups(groups, settings, os.environ, os.cpu_count() or 1, lambda line: print(line, flush=True))
     results = {"date": date, "machine": machine(), "mode": settings.mode, "rounds": settings.rounds,
                "steps": settings.steps, "warmup": settings.warmup, "batch": settings.batch,

@@ -1,4 +1,5 @@
-"""How hvdp bench runs a contender: the command and environment of each job, started in turn, round after round."""
+"""How hvdp bench runs a contender: the command and environment of each job, started in turn, round after round
+(``--smoke``, which measures nothing, runs two jobs at a time)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Tuple
 
@@ -23,6 +26,9 @@ THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THRE
 
 #: Seconds one contender's job may take before the bench gives up on it.
 JOB_TIMEOUT_S = 600
+#: Jobs a ``--smoke`` run keeps going at once: its figures mean nothing (3 steps), and most of a job is its
+#: processes importing torch or TensorFlow, so two overlap their start-ups and waits.
+SMOKE_JOBS_AT_ONCE = 2
 
 
 def _free_port() -> int:
@@ -98,9 +104,10 @@ def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str
 def run_contender(contender: Contender, settings: Settings, workdir: Path, environ: Mapping[str, str],
                   cpu_count: int) -> dict:
     """Start ``contender``'s job, wait for it, and return rank 0's record."""
-    out = workdir / f"result-{time.monotonic_ns()}.json"
+    name = uuid.uuid4().hex  # jobs may run side by side (--smoke)
+    out = workdir / f"result-{name}.json"
     argvs, env, per = job(contender, settings, str(out), environ, cpu_count)
-    log = workdir / "job.log"
+    log = workdir / f"job-{name}.log"
     with open(log, "w") as handle:
         procs = [subprocess.Popen(argv, env={**env, **(per[i] if per else {})}, stdout=handle,
                                   stderr=subprocess.STDOUT, start_new_session=True)
@@ -122,23 +129,31 @@ def run_contender(contender: Contender, settings: Settings, workdir: Path, envir
                          f"Command: {' '.join(argvs[0])}\nLast output:\n{tail}")
     record: dict = json.loads(out.read_text())
     out.unlink()
+    log.unlink()
     return record
 
 
 def run_groups(groups: List[Group], settings: Settings, environ: Mapping[str, str], cpu_count: int,
                progress: Callable[[str], None],
                runner: Callable[[Contender, Settings, Path, Mapping[str, str], int], dict] = run_contender) -> None:
-    """Run each group's contenders in turn, ``settings.rounds`` times (A B C A B C ...)."""
+    """Run each group's contenders in turn, ``settings.rounds`` times (A B C A B C ...); a smoke run keeps
+    SMOKE_JOBS_AT_ONCE jobs going at once, and records them in the same order."""
+    runs = [(group, r, contender) for group in groups for r in range(group.rounds or settings.rounds)
+            for contender in group.contenders]
     with tempfile.TemporaryDirectory(prefix="hvdp-bench-") as tmp:
-        for group in groups:
-            rounds = group.rounds or settings.rounds
-            for r in range(rounds):
-                for contender in group.contenders:
-                    start = time.monotonic()
-                    record = runner(contender, settings, Path(tmp), environ, cpu_count)
-                    group.runs.setdefault(contender.label, []).append(record)
-                    progress(f"[{group.name}] round {r + 1}/{rounds}  {contender.label:<48} "
-                             f"{_brief(record)}  ({time.monotonic() - start:.0f} s)")
+
+        def one(item: Tuple[Group, int, Contender]) -> dict:
+            group, r, contender = item
+            start = time.monotonic()
+            record = runner(contender, settings, Path(tmp), environ, cpu_count)
+            progress(f"[{group.name}] round {r + 1}/{group.rounds or settings.rounds}  {contender.label:<48} "
+                     f"{_brief(record)}  ({time.monotonic() - start:.0f} s)")
+            return record
+
+        at_once = SMOKE_JOBS_AT_ONCE if settings.mode == "smoke" else 1
+        with ThreadPoolExecutor(max_workers=at_once) as pool:
+            for (group, _, contender), record in zip(runs, pool.map(one, runs)):
+                group.runs.setdefault(contender.label, []).append(record)
 
 
 def _brief(record: dict) -> str:

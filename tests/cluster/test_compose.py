@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import images as pm
 import pytest
@@ -42,10 +44,14 @@ def image(tmp_path_factory) -> pm.Built:
     return built
 
 
+def new_project(log: Path) -> pm.Project:
+    return pm.Project(name=f"hvdpt{uuid.uuid4().hex[:8]}", image=TAG, log=log)
+
+
 @pytest.fixture
 def project(image, tmp_path):
     """A Compose project of this test's own; torn down (containers, networks, volumes) after it."""
-    made = pm.Project(name=f"hvdpt{uuid.uuid4().hex[:8]}", image=TAG, log=tmp_path / "compose.log")
+    made = new_project(tmp_path / "compose.log")
     yield made
     made.down()
     made.prune()
@@ -53,7 +59,8 @@ def project(image, tmp_path):
 
 def test_image_runs_hvdp_doctor_green(image):
     """Over 60 s on a machine without the image's layers: the first test builds the image for the module
-    (about 4 min cold with setup.sh's Horovod wheel, under a minute with podman's layers cached)."""
+    (about 4-10 min cold with setup.sh's Horovod wheel, under a minute with podman's layers cached; .ci/run
+    builds it before the suite, so there it takes seconds)."""
     out = pm.podman("run", "--rm", "--network", "none", TAG, "hvdp", "doctor", timeout=300, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     for word in ("torch", "tensorflow", "Gloo", "MPI"):
@@ -179,9 +186,26 @@ SAID = {
 }
 
 
+@pytest.fixture(scope="module")
+def faulted(image, tmp_path_factory):
+    """The three faults at once, each in a Compose project of its own (torn down after): fault -> what
+    run_fault saw. Each job waits, after its fault, for the launcher to notice; what is timed starts at the
+    fault, and the three projects' start-ups and waits overlap."""
+    projects = {fault: new_project(tmp_path_factory.mktemp(f"fault-{fault}") / "compose.log") for fault in FAULTS}
+    try:
+        with ThreadPoolExecutor(max_workers=len(projects)) as pool:
+            futures = {fault: pool.submit(run_fault, made, fault) for fault, made in projects.items()}
+        yield {fault: future for fault, future in futures.items()}
+    finally:
+        for made in projects.values():
+            made.down()
+            made.prune()
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_a_failed_worker_ends_the_job_naming_its_rank_and_host(project, fault):
-    code, ended, line, output = run_fault(project, fault)
+def test_a_failed_worker_ends_the_job_naming_its_rank_and_host(faulted, fault):
+    """Over 60 s for the first: the fixture runs the three faulted jobs side by side."""
+    code, ended, line, output = faulted[fault].result()
     assert code != 0, output[-4000:]
     assert ended < FAULTS[fault][1], output[-4000:]
     assert f"hvdp: the job failed: {SAID[fault]}" in line, output[-4000:]  # after podman-compose's prefix

@@ -7,9 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Hashable, List, Optional, TypeVar
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -79,6 +82,29 @@ def communicate(proc: "subprocess.Popen[str]", timeout: float, what: str) -> str
             os.killpg(proc.pid, signal.SIGKILL)
             output, _ = proc.communicate()
         raise AssertionError(f"{what} hung for {timeout} s:\n{output[-4000:]}") from None
+
+
+class SideBySide(Dict[Hashable, object]):
+    """Jobs that spend most of their time waiting (a stall timeout, an elastic cooldown, a heartbeat's
+    silence), run at once, one thread each; ``get(key)`` is one's result, or raises its error.
+
+    For jobs whose checks time only what happens after the job is up (from a fault to the end, say):
+    their start-ups share the cores, their waits overlap.
+    """
+
+    def __init__(self, jobs: Dict[Hashable, Callable[[], T]]) -> None:
+        super().__init__()
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            futures = {key: pool.submit(job) for key, job in jobs.items()}
+        for key, future in futures.items():
+            error = future.exception()
+            self[key] = error if error is not None else future.result()
+
+    def get(self, key: Hashable):  # type: ignore[override]
+        value = self[key]
+        if isinstance(value, BaseException):
+            raise value
+        return value
 
 
 def run_worker(worker: str, controller: str, framework: str, out_dir: Path, np_: int = 2,

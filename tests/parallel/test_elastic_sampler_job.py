@@ -1,26 +1,42 @@
 """hvdp.elastic.Sampler under `hvdp run --elastic`: 3 -> 2 -> 3 workers in the middle of an epoch,
-and still every example trained exactly once per epoch (torch, and Keras on TensorFlow)."""
+and still every example trained exactly once per epoch (torch, and Keras on TensorFlow).
+
+The two jobs run side by side (harness.SideBySide): each mostly waits, for its worker to be blacklisted,
+its host's cooldown and the discovery script's next listing; nothing here is timed."""
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections import Counter
 
 import pytest
-from harness import WORKERS, run_job
+from harness import WORKERS, SideBySide, run_job
 
 N, EPOCHS = 240, 3  # as in workers/elastic_sampler.py
+CASES = [("torch", "torch"), ("tensorflow", "keras")]
 
 
-@pytest.mark.parametrize("framework, model", [("torch", "torch"), ("tensorflow", "keras")])
-def test_three_two_three_workers_train_every_example_once_per_epoch(framework, model, tmp_path):
+def sampler_job(framework, model, tmp_path):
     (tmp_path / "hosts").write_text(f"localhost:1\n127.0.0.1:1\n{socket.gethostname()}:1\n")
     discover = tmp_path / "discover.sh"
     discover.write_text('#!/bin/sh\ncat "$(dirname "$0")/hosts"\n')
     discover.chmod(0o755)
-    job = run_job(["--elastic", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(discover),
-                   "--blacklist-cooldown-range", "1", "2", "--framework", framework,
-                   str(WORKERS / "elastic_sampler.py"), model], tmp_path, np_=3, timeout=300)
+    return run_job(["--elastic", "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(discover),
+                    "--blacklist-cooldown-range", "1", "2", "--framework", framework,
+                    str(WORKERS / "elastic_sampler.py"), model], tmp_path, np_=3, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def sampler_jobs(tmp_path_factory):
+    return SideBySide({case: functools.partial(sampler_job, *case, tmp_path_factory.mktemp(f"sampler-{case[0]}"))
+                       for case in CASES})
+
+
+@pytest.mark.parametrize("framework, model", CASES)
+def test_three_two_three_workers_train_every_example_once_per_epoch(framework, model, sampler_jobs):
+    """Over 60 s: the first case runs both jobs (3 workers each, one leaving and joining again)."""
+    job = sampler_jobs.get((framework, model))
     assert job.returncode == 0, job.output[-6000:]
     assert [r["rank"] for r in job.ranks] == [0, 1, 2], job.output[-4000:]
     assert [r["first_incarnation"] for r in job.ranks] == [True, True, False]  # rank 2 is the one that joined

@@ -1,12 +1,16 @@
-"""A failing rank ends the whole job quickly, and hvdp run names it (np=2)."""
+"""A failing rank ends the whole job quickly, and hvdp run names it (np=2).
+
+The four jobs that wait out a 10 s stall timeout (a stalled rank, a paused one; Gloo and MPI) run side by
+side (harness.SideBySide): what they time starts at the fault, once the job is up."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
 
 import pytest
-from harness import WORKERS, run_job
+from harness import WORKERS, SideBySide, run_job
 
 from hvdp.launch.watch import JobWatcher
 from hvdp.launch.worker import HEARTBEAT_S
@@ -47,9 +51,18 @@ def test_an_exception_on_one_rank_is_named_as_the_cause(controller, tmp_path):
     assert "rank 0 raised" not in job.output  # rank 0 only stopped because rank 1 failed
 
 
+@pytest.fixture(scope="module")
+def waiting_jobs(tmp_path_factory):
+    """The stall and pause jobs under both controllers, at once: (mode, controller) -> (job, detection)."""
+    return SideBySide({(mode, controller): functools.partial(
+        run_fault, mode, controller, tmp_path_factory.mktemp(f"{mode}-{controller}"), "--stall-timeout", "10")
+        for mode in ("stall", "pause") for controller in ("gloo", "mpi")})
+
+
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_tensors(controller, tmp_path):
-    job, detection = run_fault("stall", controller, tmp_path, "--stall-timeout", "10")
+def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_tensors(controller, waiting_jobs):
+    """Over 60 s for the first: the fixture runs the four stall-timeout jobs side by side."""
+    job, detection = waiting_jobs.get(("stall", controller))
     assert job.returncode != 0
     assert 10 <= detection < 10 + 20, detection  # Horovod checks every timeout/5 s, then the launcher stops
     assert "hvdp: the job was ended: rank 1 never submitted allreduce." in job.output, job.output[-3000:]
@@ -78,10 +91,10 @@ def test_a_rank_killed_with_its_bootstrap_is_named_as_lost_with_its_host(control
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_a_paused_rank_ends_the_job_after_the_stall_timeout_naming_it(controller, tmp_path):
+def test_a_paused_rank_ends_the_job_after_the_stall_timeout_naming_it(controller, waiting_jobs):
     """A rank and its bootstrap stopped (SIGSTOP, as a paused container): alive, but its heartbeat stops.
     Unwatched, the job waited for Gloo's or MPI's own timeouts and blamed rank 0."""
-    job, detection = run_fault("pause", controller, tmp_path, "--stall-timeout", "10")
+    job, detection = waiting_jobs.get(("pause", controller))
     assert job.returncode != 0
     # Silence counts from the last heartbeat (up to HEARTBEAT_S before the pause); then the job is stopped.
     assert 10 - HEARTBEAT_S <= detection < 10 + 15, detection

@@ -100,6 +100,31 @@ def test_quick_plan_touches_every_section_and_alternates():
     assert order == ["A", "B", "A", "B"]
 
 
+@pytest.mark.parametrize("mode, most", [("smoke", bench.SMOKE_JOBS_AT_ONCE), ("quick", 1)])
+def test_a_smoke_run_keeps_two_jobs_going_and_records_them_in_plan_order(mode, most):
+    """--smoke measures nothing, so its jobs overlap (two at a time); every other mode runs one at a time."""
+    import threading
+    import time
+
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def fake(contender, settings_, workdir, environ, cpus):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05 if contender.label == "A" else 0.01)  # A ends after B: the record order must not follow
+        with lock:
+            running[0] -= 1
+        return {"rank": 0, "size": contender.np, "batch": 32, "step_seconds": [0.1], "who": contender.label}
+
+    groups = [Group("g", [Contender("A", "hvdp"), Contender("B", "horovod")]), Group("h", [Contender("C", "ddp")])]
+    bench.run_groups(groups, Settings(mode=mode, rounds=2), {}, 2, lambda line: None, runner=fake)
+    assert peak[0] == most
+    assert {label: [r["who"] for r in runs] for g in groups for label, runs in g.runs.items()} == \
+        {"A": ["A", "A"], "B": ["B", "B"], "C": ["C", "C"]}
+    assert list(groups[0].runs) == ["A", "B"]
+
+
 def test_job_commands_use_hvdp_launcher_and_identical_knobs(monkeypatch):
     from hvdp import launch
 
