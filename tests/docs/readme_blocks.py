@@ -438,7 +438,7 @@ def pytest_collection_modifyitems(config, items):
     items[:] = sorted(keep, key=lambda item: "hvdp.shutdown()" in getattr(item, "code", ""))
     if drop:
         config.hook.pytest_deselected(items=drop)
-    _deselected.extend(_key(item) for item in drop)
+    _deselected.extend(_keys[item.nodeid] for item in drop)
 
 
 def _key(item) -> str:

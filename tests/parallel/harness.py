@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Hashable, List, Optional, TypeVar
 
-T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -84,27 +84,16 @@ def communicate(proc: "subprocess.Popen[str]", timeout: float, what: str) -> str
         raise AssertionError(f"{what} hung for {timeout} s:\n{output[-4000:]}") from None
 
 
-class SideBySide(Dict[Hashable, object]):
+def side_by_side(jobs: Dict[K, Callable[[], object]]) -> Dict[K, "Future[object]"]:
     """Jobs that spend most of their time waiting (a stall timeout, an elastic cooldown, a heartbeat's
-    silence), run at once, one thread each; ``get(key)`` is one's result, or raises its error.
+    silence), run at once, one thread each, all finished on return; a test reads its own with
+    ``.result()``, which raises that job's error.
 
     For jobs whose checks time only what happens after the job is up (from a fault to the end, say):
     their start-ups share the cores, their waits overlap.
     """
-
-    def __init__(self, jobs: Dict[Hashable, Callable[[], T]]) -> None:
-        super().__init__()
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            futures = {key: pool.submit(job) for key, job in jobs.items()}
-        for key, future in futures.items():
-            error = future.exception()
-            self[key] = error if error is not None else future.result()
-
-    def get(self, key: Hashable):  # type: ignore[override]
-        value = self[key]
-        if isinstance(value, BaseException):
-            raise value
-        return value
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        return {key: pool.submit(job) for key, job in jobs.items()}
 
 
 def run_worker(worker: str, controller: str, framework: str, out_dir: Path, np_: int = 2,

@@ -1,7 +1,7 @@
 """hvdp.elastic.Sampler under `hvdp run --elastic`: 3 -> 2 -> 3 workers in the middle of an epoch,
 and still every example trained exactly once per epoch (torch, and Keras on TensorFlow).
 
-The two jobs run side by side (harness.SideBySide): each mostly waits, for its worker to be blacklisted,
+The two jobs run side by side (harness.side_by_side): each mostly waits, for its worker to be blacklisted,
 its host's cooldown and the discovery script's next listing; nothing here is timed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import socket
 from collections import Counter
 
 import pytest
-from harness import WORKERS, SideBySide, run_job
+from harness import WORKERS, run_job, side_by_side
 
 N, EPOCHS = 240, 3  # as in workers/elastic_sampler.py
 CASES = [("torch", "torch"), ("tensorflow", "keras")]
@@ -29,14 +29,14 @@ def sampler_job(framework, model, tmp_path):
 
 @pytest.fixture(scope="module")
 def sampler_jobs(tmp_path_factory):
-    return SideBySide({case: functools.partial(sampler_job, *case, tmp_path_factory.mktemp(f"sampler-{case[0]}"))
+    return side_by_side({case: functools.partial(sampler_job, *case, tmp_path_factory.mktemp(f"sampler-{case[0]}"))
                        for case in CASES})
 
 
 @pytest.mark.parametrize("framework, model", CASES)
 def test_three_two_three_workers_train_every_example_once_per_epoch(framework, model, sampler_jobs):
     """Over 60 s: the first case runs both jobs (3 workers each, one leaving and joining again)."""
-    job = sampler_jobs.get((framework, model))
+    job = sampler_jobs[(framework, model)].result()
     assert job.returncode == 0, job.output[-6000:]
     assert [r["rank"] for r in job.ranks] == [0, 1, 2], job.output[-4000:]
     assert [r["first_incarnation"] for r in job.ranks] == [True, True, False]  # rank 2 is the one that joined

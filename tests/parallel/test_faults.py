@@ -1,7 +1,7 @@
 """A failing rank ends the whole job quickly, and hvdp run names it (np=2).
 
 The four jobs that wait out a 10 s stall timeout (a stalled rank, a paused one; Gloo and MPI) run side by
-side (harness.SideBySide): what they time starts at the fault, once the job is up."""
+side (harness.side_by_side): what they time starts at the fault, once the job is up."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import socket
 import time
 
 import pytest
-from harness import WORKERS, SideBySide, run_job
+from harness import WORKERS, run_job, side_by_side
 
 from hvdp.launch.watch import JobWatcher
 from hvdp.launch.worker import HEARTBEAT_S
@@ -54,7 +54,7 @@ def test_an_exception_on_one_rank_is_named_as_the_cause(controller, tmp_path):
 @pytest.fixture(scope="module")
 def waiting_jobs(tmp_path_factory):
     """The stall and pause jobs under both controllers, at once: (mode, controller) -> (job, detection)."""
-    return SideBySide({(mode, controller): functools.partial(
+    return side_by_side({(mode, controller): functools.partial(
         run_fault, mode, controller, tmp_path_factory.mktemp(f"{mode}-{controller}"), "--stall-timeout", "10")
         for mode in ("stall", "pause") for controller in ("gloo", "mpi")})
 
@@ -62,7 +62,7 @@ def waiting_jobs(tmp_path_factory):
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_tensors(controller, waiting_jobs):
     """Over 60 s for the first: the fixture runs the four stall-timeout jobs side by side."""
-    job, detection = waiting_jobs.get(("stall", controller))
+    job, detection = waiting_jobs[("stall", controller)].result()
     assert job.returncode != 0
     assert 10 <= detection < 10 + 20, detection  # Horovod checks every timeout/5 s, then the launcher stops
     assert "hvdp: the job was ended: rank 1 never submitted allreduce." in job.output, job.output[-3000:]
@@ -94,7 +94,7 @@ def test_a_rank_killed_with_its_bootstrap_is_named_as_lost_with_its_host(control
 def test_a_paused_rank_ends_the_job_after_the_stall_timeout_naming_it(controller, waiting_jobs):
     """A rank and its bootstrap stopped (SIGSTOP, as a paused container): alive, but its heartbeat stops.
     Unwatched, the job waited for Gloo's or MPI's own timeouts and blamed rank 0."""
-    job, detection = waiting_jobs.get(("pause", controller))
+    job, detection = waiting_jobs[("pause", controller)].result()
     assert job.returncode != 0
     # Silence counts from the last heartbeat (up to HEARTBEAT_S before the pause); then the job is stopped.
     assert 10 - HEARTBEAT_S <= detection < 10 + 15, detection

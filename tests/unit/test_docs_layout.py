@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from test_imports import hvdp_modules
+
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 #: README.md holds what hvdp is, the two commands, the training script, the launcher and the API in brief;
@@ -40,9 +42,9 @@ def test_the_layout_names_every_module_of_hvdp():
     block = layout_block()
     words = set(re.findall(r"[\w.]+", block))
     missing = []
-    for path in sorted((REPO / "hvdp").rglob("*.py")):
-        if "horovod_patches" in path.parts or path.name == "__init__.py" and path.parent != REPO / "hvdp":
-            continue  # the inserted sources are named as a folder; a package by its folder
+    for path in hvdp_modules().values():  # the inserted sources (horovod_patches/) are named as a folder
+        if path.name == "__init__.py" and path.parent != REPO / "hvdp":
+            continue  # a package by its folder
         if path.name not in words and path.stem not in words:
             missing.append(path.relative_to(REPO).as_posix())
     assert missing == [], f"docs/contributing.md's Layout does not name {missing}"
