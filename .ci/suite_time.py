@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 import xml.etree.ElementTree as ET
 
@@ -21,10 +22,29 @@ MARGIN = 1.0
 
 def module_path(classname: str) -> str:
     """``tests.parallel.test_core`` (or ``tests.unit.test_x.TestY``) as the file ``tests/parallel/test_core.py``."""
+    if not classname:  # a report of the collection (a module skipped or failing to import)
+        return "(collection)"
     parts = classname.split(".")
     if len(parts) > 1 and parts[-1][:1].isupper():  # a test class inside the module
         parts = parts[:-1]
     return "/".join(parts) + ".py"
+
+
+#: Lines of a failed test's report worth showing when only part of the output is kept: an error Horovod
+#: logged (``[2026-12-02 18:44:49.081: E .../operations.cc:697] ...``), hvdp's summary of a failed job,
+#: a Python exception, a timeout.
+CAUSE = re.compile(r"\d: E |hvdp: |Error: |Error\(|Timeout|timed out")
+
+
+def causes(case: ET.Element, most: int = 8) -> list:
+    """The first lines of a failed or errored test's report that say why, each cut to 300 characters."""
+    found = []
+    for outcome in list(case.iter("failure")) + list(case.iter("error")):
+        for line in [outcome.get("message", ""), *(outcome.text or "").splitlines()]:
+            line = line.strip()
+            if line and CAUSE.search(line) and line[:300] not in found:
+                found.append(line[:300])
+    return found[:most]
 
 
 def main(argv=None) -> int:
@@ -49,6 +69,14 @@ def main(argv=None) -> int:
     print("[ci] time per file:")
     for name, seconds in per_file.most_common():
         print(f"[ci] {seconds:8.1f} s  {name}")
+    failed = [(f"{c.get('classname', '')}::{c.get('name', '')}", causes(c)) for s in suites for c in s.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    if failed:
+        print(f"[ci] {len(failed)} test(s) failed or errored, with the lines that say why:")
+        for name, lines in failed:
+            print(f"[ci] FAILED {name}")
+            for line in lines:
+                print(f"[ci]     {line}")
     limit = args.budget * (1 + args.margin)
     print(f"[ci] the suite: {len(cases)} tests in {total:.0f} s (budget {args.budget:.0f} s, "
           f"failing above {limit:.0f} s)")

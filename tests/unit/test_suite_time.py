@@ -35,3 +35,24 @@ def test_the_total_within_the_margin_passes_and_past_it_fails_saying_what_to_do(
     assert past.returncode == 1, past.stdout
     assert "FAILED: the suite took 1000 s, over its budget of 400 s by more than 100%" in past.stdout
     assert "Group the new checks into shared jobs" in past.stdout
+
+
+def test_failed_and_errored_tests_are_listed_with_the_lines_that_say_why(tmp_path):
+    error = ('<testcase classname="tests.parallel.test_sets" name="test_a[gloo]" time="3">'
+             '<error message="AssertionError: process_sets.py exited 1">job output:\n'
+             "[1] [2026-12-02 18:44:49: E horovod/common/operations.cc:697] Gloo all-reduce failed\n"
+             "an ordinary line\n</error></testcase>")
+    failure = ('<testcase classname="tests.unit.test_x" name="test_b" time="1">'
+               '<failure message="assert 1 == 2">plain text only</failure></testcase>')
+    passed = '<testcase classname="tests.unit.test_x" name="test_c" time="1"/>'
+    junit = tmp_path / "junit.xml"
+    junit.write_text(f'<testsuites><testsuite name="pytest" tests="3" time="5">{error}{failure}{passed}'
+                     '<testcase classname="" name="tests.unit.test_gone" time="0"/></testsuite></testsuites>')
+    out = suite_time(junit, "--budget", "600").stdout
+    assert "[ci] 2 test(s) failed or errored, with the lines that say why:" in out
+    assert "[ci] FAILED tests.parallel.test_sets::test_a[gloo]" in out
+    assert "E horovod/common/operations.cc:697] Gloo all-reduce failed" in out
+    assert "an ordinary line" not in out  # only the lines that say why
+    assert "[ci] FAILED tests.unit.test_x::test_b" in out
+    assert "test_c" not in out.split("failed or errored")[1]
+    assert "(collection)" in out and "\n[ci]      0.0 s  .py" not in out  # a report without a module
