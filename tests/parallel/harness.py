@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,9 @@ K = TypeVar("K", bound=Hashable)
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 HVDP = [sys.executable, "-m", "hvdp.cli"]
+#: A line of a job's output that says what went wrong: an error Horovod logged (``[1] [2026-12-02
+#: 18:44:49.081: E .../operations.cc:697] ...``), hvdp's summary of a failed job, a Python exception.
+ERROR_LINE = re.compile(r"\d: E |^hvdp: |^(\[\d+\] )?[\w.]*(Error|Exception)\b")
 #: A job that does not finish in this time has hung: the test fails, it does not wait forever.
 TIMEOUT_S = 420
 
@@ -28,6 +32,13 @@ class Job:
     returncode: int
     output: str
     ranks: List[Dict]
+
+    def why(self, tail: int = 4000) -> str:
+        """For a failure's message: the lines that say what went wrong, wherever they are (a rank's
+        logged Horovod error, hvdp's summary, an exception), then the last ``tail`` characters."""
+        marked = [line for line in self.output.splitlines() if ERROR_LINE.search(line)][:20]
+        head = "the lines that say why:\n" + "\n".join(marked) + "\n\n" if marked else ""
+        return f"{head}the output's end:\n{self.output[-tail:]}"
 
 
 def run_job(args: List[str], out_dir: Path, np_: int = 2, timeout: int = TIMEOUT_S,

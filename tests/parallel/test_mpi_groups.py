@@ -26,12 +26,12 @@ def launch(script: str, args: list, launcher: str, framework: str, out_dir) -> J
     else:
         controller = ["--mpi"] if launcher == "hvdp-run-mpi" else ["--gloo"]
         job = run_job([*controller, "--framework", framework, script, *args], out_dir, np_=4, timeout=TIMEOUT)
-    assert job.returncode == 0, f"{script} {args} ({launcher}) exited {job.returncode}:\n{job.output[-6000:]}"
+    assert job.returncode == 0, f"{script} {args} ({launcher}) exited {job.returncode}:\n{job.why(6000)}"
     return job
 
 
 def with_reports(job: Job) -> list:
-    assert [r["rank"] for r in job.ranks] == [0, 1, 2, 3], f"missing rank reports:\n{job.output[-4000:]}"
+    assert [r["rank"] for r in job.ranks] == [0, 1, 2, 3], f"missing rank reports:\n{job.why()}"
     return job.ranks
 
 
