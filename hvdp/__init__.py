@@ -245,6 +245,9 @@ def DistributedOptimizer(
     return wrapped
 
 
+_framework.wrap_optimizers_with(DistributedOptimizer)  # for Keras optimizers load_model gives back
+
+
 def broadcast_state(
     model: Any,
     optimizer: Any = None,

@@ -3,8 +3,8 @@
 Order of precedence: ``hvdp.init(framework=...)`` > ``HVDP_FRAMEWORK`` (set by
 ``hvdp run --framework``) > the only framework that is importable. A script
 that asks for one framework while the launcher said another is an error, never
-a guess. This module and ``hvdp/backends/`` are the only places that know the
-framework names.
+a guess. The frameworks, their pins and their backends come from one table,
+:mod:`hvdp.backends.registry`.
 """
 
 from __future__ import annotations
@@ -15,24 +15,21 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from hvdp import _keras_jobs, consistency, failures
+from hvdp import _keras_jobs, consistency, failures, profiler
+from hvdp.backends.registry import SPECS
 from hvdp.errors import FrameworkError, NotInitializedError, ProcessSetError, ReplicaMismatchError
 
 if TYPE_CHECKING:
     from hvdp.backends.base import Backend
 
-#: The frameworks hvdp supports, by the name used everywhere in hvdp.
-FRAMEWORKS = ("torch", "tensorflow")
+#: The frameworks hvdp supports, by the name used everywhere in hvdp (the registry's order).
+FRAMEWORKS = tuple(SPECS)
 #: The environment variable ``hvdp run --framework`` sets for every process.
 ENV_VAR = "HVDP_FRAMEWORK"
 #: How each framework is installed when it is missing.
-INSTALL_HINT = {
-    "torch": "pip install torch==2.13.0",
-    "tensorflow": "pip install tensorflow-cpu==2.21.0",
-}
-_BACKEND_MODULE = {"torch": "hvdp.backends.torch", "tensorflow": "hvdp.backends.tensorflow"}
+INSTALL_HINT = {name: f"pip install {spec.requirement}" for name, spec in SPECS.items()}
 
 
 
@@ -62,6 +59,23 @@ _job = Job()
 def job() -> Job:
     """This process's :class:`Job`."""
     return _job
+
+
+def _running_rank() -> Optional[int]:
+    backend = _job.backend
+    return backend.rank() if backend is not None and backend.is_initialized() else None
+
+
+profiler.rank_from(_running_rank)
+
+#: How an optimizer is made to average, given by the facade (hvdp.DistributedOptimizer): Keras
+#: optimizers loaded inside a job are wrapped with it again.
+_optimizer_wrapper: List[Callable[[Any], Any]] = []
+
+
+def wrap_optimizers_with(wrap: Callable[[Any], Any]) -> None:
+    """Let the runtime re-wrap Keras optimizers that ``load_model`` gives back, with ``wrap``."""
+    _optimizer_wrapper[:] = [wrap]
 
 
 def check_name(name: object, source: str) -> str:
@@ -156,7 +170,7 @@ def _check_loaded_keras(framework: str) -> None:
 def load_backend(name: str) -> "Backend":
     """Import the backend for ``name``; turn Horovod import failures into fixes."""
     try:
-        module = importlib.import_module(_BACKEND_MODULE[name])
+        module = importlib.import_module(SPECS[name].backend_module)
     except ImportError as exc:
         if getattr(exc, "name", None) == "horovod":
             raise FrameworkError(
@@ -226,7 +240,7 @@ def _keras_in_jobs() -> None:
     ``fit`` runs the drift guard."""
 
     def wrap(optimizer: Any) -> Any:
-        return importlib.import_module("hvdp").DistributedOptimizer(optimizer)
+        return _optimizer_wrapper[0](optimizer)
 
     def distributed_job() -> bool:
         backend = _job.backend

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
-from hvdp import _framework
-
 #: ``hvdp run --profile DIR`` sets this for every process.
 ENV_VAR = "HVDP_PROFILE_DIR"
 #: The phases ``hvdp report`` knows; others are recorded and reported as given.
@@ -52,6 +50,9 @@ class Recorder:
     last_flush: float = 0.0
     #: seconds taken by phases nested in each open phase, innermost last
     open_phases: List[float] = field(default_factory=list)
+    #: this process's rank in the running job, None before hvdp.init() (the runtime sets it:
+    #: the profiler sits below the runtime and the backends, which record into it)
+    rank: Callable[[], Optional[int]] = lambda: None
 
 
 _recorder = Recorder()
@@ -185,11 +186,14 @@ def _open_rank_file(directory: Path) -> IO[str]:
     import atexit
 
     directory.mkdir(parents=True, exist_ok=True)
-    backend = _framework.job().backend
-    if backend is not None and backend.is_initialized():
-        rank = backend.rank()
-    else:  # recording from the start of the process, before hvdp.init()
+    rank = _recorder.rank()
+    if rank is None:  # recording from the start of the process, before hvdp.init()
         rank = int(os.environ.get("HOROVOD_RANK", "0"))
     handle = (directory / f"rank{rank}.jsonl").open("a")
     atexit.register(handle.close)
     return handle
+
+
+def rank_from(rank: Callable[[], Optional[int]]) -> None:
+    """Name each rank's file by ``rank()`` (the runtime gives its job's rank; None before init)."""
+    _recorder.rank = rank

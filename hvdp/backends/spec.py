@@ -38,12 +38,12 @@ class FrameworkSpec:
         requirement: the pinned requirement hvdp is tested with (``pip install hvdp[name]``).
         horovod_flag: Horovod's build switch, ``HOROVOD_WITH_<flag>`` / ``HOROVOD_WITHOUT_<flag>``.
         horovod_module: the module of Horovod's layer for it.
+        backend_module: hvdp's adapter for it (:class:`~hvdp.backends.base.Backend`), loaded by ``hvdp.init``.
         cmake_patches: changes to its extension's CMake files in Horovod's source.
         python_patches: changes to its Python layer in Horovod's source.
         gpu_patches: changes only a GPU build needs.
         cuda_probe: Python that prints something non-empty when the installed build has CUDA.
         gpu_count_probe: Python run with ``facts`` (a dict) in scope, setting ``facts['gpus']``.
-        bench_module: ``hvdp bench`` in the framework: ``build_model(name)``, and ``train(...)`` timing it.
         bench_native: ``hvdp bench``'s contender for the framework's own data parallelism.
         bench_env: variables every ``hvdp bench`` job of the framework gets, unless already set.
     """
@@ -53,11 +53,11 @@ class FrameworkSpec:
     requirement: str
     horovod_flag: str
     horovod_module: str
+    backend_module: str
     cmake_patches: Tuple[Patch, ...] = ()
     python_patches: Tuple[Patch, ...] = ()
     gpu_patches: Tuple[Patch, ...] = ()
     cuda_probe: str = ""
     gpu_count_probe: str = ""
-    bench_module: str = ""
     bench_native: str = ""
     bench_env: Tuple[Tuple[str, str], ...] = ()

@@ -16,8 +16,8 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from hvdp import keras as hvdp_keras
 from hvdp import profiler
+from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import HorovodJob, reduction_plan
 
 
@@ -101,14 +101,14 @@ class Backend(HorovodJob):
         process_set: Any,
         broadcast_buffers: bool = True,
     ) -> Any:
-        if not hvdp_keras.is_keras_optimizer(optimizer):
+        if not keras_adapter.is_keras_optimizer(optimizer):
             raise TypeError(
                 f"hvdp.DistributedOptimizer on tensorflow takes a Keras 3 optimizer "
                 f"(keras.optimizers.Optimizer), got {type(optimizer).__module__}."
                 f"{type(optimizer).__name__}."
             )
         reduce = self._gradient_reducer(op, compression, gradient_predivide_factor, process_set)
-        return hvdp_keras.wrap_optimizer(optimizer, reduce, backward_passes_per_step)
+        return keras_adapter.wrap_optimizer(optimizer, reduce, backward_passes_per_step)
 
     def _gradient_reducer(self, op: str, compression: str, gradient_predivide_factor: float,
                           process_set: Any) -> Any:
@@ -136,8 +136,8 @@ class Backend(HorovodJob):
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
         horovod_set = self._set(process_set)
-        if hvdp_keras.is_keras_model(model):
-            hvdp_keras.broadcast_state(
+        if keras_adapter.is_keras_model(model):
+            keras_adapter.broadcast_state(
                 model, optimizer, root_rank,
                 lambda value, root, name: hvd.broadcast(tf.convert_to_tensor(value), root, name=name,
                                                         process_set=horovod_set),
@@ -192,19 +192,19 @@ class Backend(HorovodJob):
         hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="hvdp.barrier", process_set=self._set(process_set))
 
     def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
-        if hvdp_keras.is_keras_model(model):
-            return hvdp_keras.named_parameters(model, lambda value: np.asarray(value))
+        if keras_adapter.is_keras_model(model):
+            return keras_adapter.named_parameters(model, lambda value: np.asarray(value))
         if isinstance(model, (list, tuple)) and all(isinstance(v, tf.Variable) for v in model):
             return [(v.name, v.numpy()) for v in model]
         raise TypeError(f"expected a Keras 3 model or a list of tf.Variable, got {type(model).__name__}.")
 
     def export_state(self, model: Any, optimizer: Any) -> Tuple[Dict[str, np.ndarray], Any]:
-        if not hvdp_keras.is_keras_model(model):
+        if not keras_adapter.is_keras_model(model):
             raise TypeError(f"checkpoints on tensorflow take a Keras 3 model, got {type(model).__name__}.")
-        return hvdp_keras.export_state(model, optimizer, lambda value: np.asarray(value))
+        return keras_adapter.export_state(model, optimizer, lambda value: np.asarray(value))
 
     def import_state(self, model: Any, optimizer: Any, arrays: Dict[str, np.ndarray], optimizer_state: Any) -> None:
-        hvdp_keras.import_state(model, optimizer, arrays, optimizer_state)
+        keras_adapter.import_state(model, optimizer, arrays, optimizer_state)
 
     def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:
         import horovod.tensorflow.elastic as hvd_elastic

@@ -15,8 +15,8 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from hvdp import keras as hvdp_keras
 from hvdp import profiler
+from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import HorovodJob, reduction_plan
 from hvdp.backends.torch_gradients import (
     broadcast_buffers_before_forward,
@@ -185,7 +185,7 @@ class Backend(HorovodJob):
             if op == "adasum":  # Adasum reduces the update inside step(), not the gradients
                 return wrapped
             return reduce_at_backward_end(wrapped)
-        if hvdp_keras.is_keras_optimizer(optimizer):
+        if keras_adapter.is_keras_optimizer(optimizer):
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
             horovod_op, comp = self._op(name), self._compression(compression)
@@ -200,7 +200,7 @@ class Backend(HorovodJob):
                     prescale_factor=prescale, postscale_factor=postscale, process_set=horovod_set,
                 ))
 
-            return hvdp_keras.wrap_optimizer(optimizer, profiler.timed(reduce), backward_passes_per_step)
+            return keras_adapter.wrap_optimizer(optimizer, profiler.timed(reduce), backward_passes_per_step)
         raise TypeError(
             f"hvdp.DistributedOptimizer on torch takes a torch.optim.Optimizer or a Keras 3 "
             f"optimizer (KERAS_BACKEND=torch), got {type(optimizer).__module__}."
@@ -225,8 +225,8 @@ class Backend(HorovodJob):
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
         horovod_set = self._set(process_set)
-        if hvdp_keras.is_keras_model(model):
-            hvdp_keras.broadcast_state(
+        if keras_adapter.is_keras_model(model):
+            keras_adapter.broadcast_state(
                 model, optimizer, root_rank,
                 lambda value, root, name: hvd.broadcast(value.detach(), root, name=name, process_set=horovod_set),
             )
@@ -326,23 +326,23 @@ class Backend(HorovodJob):
         hvd.barrier(process_set=self._set(process_set))
 
     def named_parameters(self, model: Any) -> List[Tuple[str, np.ndarray]]:
-        if hvdp_keras.is_keras_model(model):
-            return hvdp_keras.named_parameters(model, lambda value: value.detach().cpu().numpy())
+        if keras_adapter.is_keras_model(model):
+            return keras_adapter.named_parameters(model, lambda value: value.detach().cpu().numpy())
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"expected a torch.nn.Module or a Keras 3 model, got {type(model).__name__}.")
         return [(name, tensor.detach().cpu().numpy()) for name, tensor in model.named_parameters()]
 
     def export_state(self, model: Any, optimizer: Any) -> Tuple[Dict[str, np.ndarray], Any]:
-        if hvdp_keras.is_keras_model(model):
-            return hvdp_keras.export_state(model, optimizer, lambda value: value.detach().cpu().numpy())
+        if keras_adapter.is_keras_model(model):
+            return keras_adapter.export_state(model, optimizer, lambda value: value.detach().cpu().numpy())
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"expected a torch.nn.Module or a Keras 3 model, got {type(model).__name__}.")
         arrays = {name: tensor.detach().cpu().numpy() for name, tensor in model.state_dict().items()}
         return arrays, None if optimizer is None else _map_tensors(optimizer.state_dict(), to_numpy=True)
 
     def import_state(self, model: Any, optimizer: Any, arrays: Dict[str, np.ndarray], optimizer_state: Any) -> None:
-        if hvdp_keras.is_keras_model(model):
-            hvdp_keras.import_state(model, optimizer, arrays, optimizer_state)
+        if keras_adapter.is_keras_model(model):
+            keras_adapter.import_state(model, optimizer, arrays, optimizer_state)
             return
         model.load_state_dict({name: torch.from_numpy(np.array(array)) for name, array in arrays.items()})
         if optimizer is not None and optimizer_state is not None:

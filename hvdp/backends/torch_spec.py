@@ -10,6 +10,7 @@ SPEC = FrameworkSpec(
     requirement="torch==2.13.0",
     horovod_flag="PYTORCH",
     horovod_module="horovod.torch",
+    backend_module="hvdp.backends.torch",
     cmake_patches=(
         Patch("horovod/torch/CMakeLists.txt", "    set(CMAKE_CXX_STANDARD 14)", "    set(CMAKE_CXX_STANDARD 17)",
               "the torch extension re-selected C++14 for torch >= 1.5"),
@@ -45,6 +46,5 @@ SPEC = FrameworkSpec(
     ),
     cuda_probe="import torch; print(torch.version.cuda or '')",
     gpu_count_probe="import torch; facts['gpus'] = torch.cuda.device_count()",
-    bench_module="hvdp.backends.torch_bench",
     bench_native="ddp",  # DistributedDataParallel over Gloo, under torchrun
 )

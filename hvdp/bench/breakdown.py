@@ -14,7 +14,7 @@ The same calls run beside Horovod's own in-place ``allreduce_`` on a tensor of t
 same size, under the same settings, alternating call by call.
 
 Pure parts here (timeline parsing, per-call phases, summaries, the table); the
-worker side lives in :mod:`hvdp.backends.torch_bench` (``breakdown``).
+worker side lives in :mod:`hvdp.bench.torch_bench` (``breakdown``).
 
 Example:
     >>> # hvdp bench --only breakdown --breakdown 4K,64M

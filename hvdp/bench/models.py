@@ -5,19 +5,15 @@
 * ``resnet18``: ResNet-18 (BasicBlock [2, 2, 2, 2], ImageNet stem) on 32x32 inputs, 10 classes
   (11.2 M parameters, 45 MB of float32 gradients).
 
-Each framework builds them in its own module beside its backend
-(``hvdp/backends/<framework>_bench.py``, named by its spec's ``bench_module``);
-:func:`build` imports it, so nothing here imports a framework.
+Each framework builds them in its own module (``hvdp/bench/<framework>_bench.py``, named in
+:mod:`hvdp.bench.frameworks`), so nothing here imports a framework.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any, Tuple
+from typing import Tuple
 
 import numpy as np
-
-from hvdp.backends.registry import SPECS
 
 MODELS = ("cnn", "mlp", "resnet18")
 #: Input shape of one example (channels first; Keras models take it channels last).
@@ -40,7 +36,3 @@ def synthetic_batches(model: str, batch: int, count: int, seed: int) -> Tuple[np
     y = rng.integers(0, CLASSES, size=(count, batch)).astype(np.int64)
     return x, y
 
-
-def build(framework: str, name: str) -> Any:
-    """The model named ``name`` for ``framework`` (a torch module, or a Keras 3 model for TensorFlow)."""
-    return importlib.import_module(SPECS[framework].bench_module).build_model(name)

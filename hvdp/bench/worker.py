@@ -12,7 +12,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import time
@@ -21,7 +20,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 
 from hvdp.backends.registry import SPECS
-from hvdp.bench import models, timing
+from hvdp.bench import frameworks, models, timing
 
 
 def _write(out: str, record: dict) -> None:
@@ -156,12 +155,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.task == "train":
-        bench = importlib.import_module(SPECS[args.framework].bench_module)
+        bench = frameworks.load(args.framework)
         rank, size, times = bench.train(args.impl, args.model, args.batch, args.warmup, args.steps)
         record: dict = {"rank": rank, "size": size, "batch": args.batch, "step_seconds": times,
                         "cpu_seconds_per_step": timing.CPU_PER_STEP[0]}
     elif args.task == "breakdown":
-        from hvdp.backends import torch_bench
+        from hvdp.bench import torch_bench
 
         rank, record = torch_bench.breakdown([int(s) for s in args.sizes.split(",")], args.calls, args.warmup,
                                              args.budget, args.timeline or args.out + ".timeline.json")

@@ -35,7 +35,7 @@ NOT_RUN: Dict[str, str] = {
     "hvdp.process_sets.ProcessSet": _FOUR + " runs these lines",
     "hvdp.process_sets.ProcessSet.included": _FOUR,
     "hvdp.build.build": "builds Horovod (about 4 min on 2 cores); scripts/setup.sh runs hvdp build",
-    "hvdp.keras.wrap_optimizer": "an internal helper given a reduce function; hvdp.DistributedOptimizer wraps "
+    "hvdp.backends.keras.wrap_optimizer": "an internal helper given a reduce function; hvdp.DistributedOptimizer wraps "
                                  "Keras optimizers with it in the docs' Keras blocks",
     "hvdp.profiler.enable": "turns recording on for the rest of the process, into /tmp/profile; "
                             "tests/unit/test_profiler_recording.py covers enable()",

@@ -18,7 +18,7 @@ def contract_methods():
 
 @pytest.mark.parametrize("framework", _framework.FRAMEWORKS)
 def test_backend_matches_protocol(framework):
-    module = importlib.import_module(_framework._BACKEND_MODULE[framework])
+    module = importlib.import_module(_framework.SPECS[framework].backend_module)
     backend = module.Backend()
     assert isinstance(backend, Backend)
     assert backend.name == framework

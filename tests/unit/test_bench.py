@@ -224,13 +224,15 @@ def test_target_status():
     assert Path(bench.__file__).parent.joinpath("worker.py").exists()
 
 
-def test_each_framework_builds_the_models_beside_its_backend():
+def test_each_framework_builds_the_models_in_its_bench_module():
     from hvdp.backends.registry import SPECS
-    from hvdp.bench import models
+    from hvdp.bench import frameworks, models
 
-    assert [spec.bench_module for spec in SPECS.values()] == ["hvdp.backends.torch_bench",
-                                                                "hvdp.backends.tensorflow_bench"]
-    sizes = {name: sum(p.numel() for p in models.build("torch", name).parameters()) for name in models.MODELS}
+    assert frameworks.MODULES == {"torch": "hvdp.bench.torch_bench", "tensorflow": "hvdp.bench.tensorflow_bench"}
+    assert list(frameworks.MODULES) == list(SPECS)
+    sizes = {name: sum(p.numel() for p in frameworks.build("torch", name).parameters()) for name in models.MODELS}
     assert sizes == {"cnn": 582026, "mlp": 513162, "resnet18": 11181642}  # 0.6 M, 0.5 M, 11.2 M as documented
     with pytest.raises(ValueError, match="Unknown model 'vgg'. Expected one of: cnn, mlp, resnet18."):
-        models.build("torch", "vgg")
+        frameworks.build("torch", "vgg")
+    with pytest.raises(BenchError, match="no framework 'jax'; expected one of: torch, tensorflow"):
+        frameworks.load("jax")

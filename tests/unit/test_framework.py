@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -60,13 +61,18 @@ def test_contradicting_keras_backend_is_refused():
         _framework.resolve("tensorflow", {"KERAS_BACKEND": "torch"})
 
 
+def with_backend_module(monkeypatch, module: str) -> None:
+    """torch's backend loaded from ``module`` for the test (the registry's entry restored after)."""
+    monkeypatch.setitem(_framework.SPECS, "torch", replace(_framework.SPECS["torch"], backend_module=module))
+
+
 def test_horovod_without_the_framework_built_in_gives_the_fix(monkeypatch, tmp_path):
     """Horovod's own error for an extension it did not build becomes the command that fixes it."""
     (tmp_path / "hvdp_unbuilt_backend.py").write_text(
         "raise ImportError('Extension horovod.torch has not been built: mpi_lib_v2.so not found. "
         "If this is not expected, reinstall Horovod with HOROVOD_WITH_PYTORCH=1')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(_framework._BACKEND_MODULE, "torch", "hvdp_unbuilt_backend")
+    with_backend_module(monkeypatch, "hvdp_unbuilt_backend")
     expected = "Horovod is installed but its torch support cannot be loaded.*hvdp build"
     with pytest.raises(hvdp.FrameworkError, match=expected):
         _framework.load_backend("torch")
@@ -77,7 +83,7 @@ def test_missing_horovod_gives_the_fix(monkeypatch, tmp_path):
     (tmp_path / "hvdp_no_horovod_backend.py").write_text(
         "raise ModuleNotFoundError(\"No module named 'horovod'\", name='horovod')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(_framework._BACKEND_MODULE, "torch", "hvdp_no_horovod_backend")
+    with_backend_module(monkeypatch, "hvdp_no_horovod_backend")
     with pytest.raises(hvdp.FrameworkError, match="Horovod is not installed.*hvdp build"):
         _framework.load_backend("torch")
 

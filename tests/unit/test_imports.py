@@ -2,8 +2,11 @@
 
 * Each module imports in a fresh interpreter by itself: none relies on another having
   been imported first.
-* The graph of hvdp's imports (every import statement, at the top or inside a function)
+* The graph of hvdp's imports (every import statement, at the top or inside a function, and
+  every module named in a string: what ``importlib.import_module`` loads, a table of modules)
   has no cycle, so any module can be read knowing only those below it.
+* The modules stand in the layers declared in :data:`LAYERS`, and none imports a module of a
+  higher layer: the tools over the library, the facade over the runtime over the backends.
 * ``hvdp build``, ``hvdp doctor`` and the CLI learn what they need of torch and TensorFlow
   from :mod:`hvdp.backends.registry`, without importing either.
 """
@@ -47,7 +50,49 @@ def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
                 base = ".".join(parts + ([base] if base else []))
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    for node in ast.walk(ast.parse(path.read_text())):  # a module named in a string is imported by name
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
+            found.add(node.value)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            found.add(str(node.args[0].value))
     return {module for module in found if module in modules and module != name}
+
+
+#: hvdp's layers, top first: a module imports only modules of its own layer and of layers below it.
+#: A name ending in ``.*`` takes the package's modules; the longest match places a module.
+LAYERS = (
+    ("tools", "the commands, above the library they run: hvdp run, build, doctor, bench, report",
+     ("hvdp.cli", "hvdp.launch", "hvdp.launch.*", "hvdp.build", "hvdp.horovod_build", "hvdp.horovod_build.*",
+      "hvdp.doctor", "hvdp.bench", "hvdp.bench.*", "hvdp.report", "hvdp.elastic_driver")),
+    ("keras", "hvdp.keras: the Keras callbacks, written on the public API",
+     ("hvdp.keras", "hvdp._keras_callbacks")),
+    ("facade", "the public API and the modules that implement its calls",
+     ("hvdp", "hvdp.arguments", "hvdp.collectives", "hvdp.process_sets", "hvdp.joining", "hvdp.elastic",
+      "hvdp.checkpoint", "hvdp.data")),
+    ("runtime", "the job's state: the framework chosen once, its backend loaded, checks at shutdown",
+     ("hvdp._framework", "hvdp.consistency", "hvdp.failures")),
+    ("registry", "the frameworks' table: names, pins, how Horovod is built for each, which backend",
+     ("hvdp.backends.registry", "hvdp.backends.torch_spec", "hvdp.backends.tensorflow_spec")),
+    ("backends", "one adapter per framework over Horovod, and the Keras adapter they share",
+     ("hvdp.backends", "hvdp.backends.*")),
+    ("foundation", "what every layer may use, importing nothing of hvdp above it",
+     ("hvdp.errors", "hvdp.profiler", "hvdp.tuning", "hvdp._keras_jobs", "hvdp.backends.spec",
+      "hvdp.backends.tensorflow_patches")),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` (0 at the top) of ``module``'s layer, by the longest name that matches."""
+    best, found = -1, -1
+    for index, (_, _, names) in enumerate(LAYERS):
+        for pattern in names:
+            matches = module.startswith(pattern[:-1]) if pattern.endswith(".*") else module == pattern
+            if matches and len(pattern) > best:
+                best, found = len(pattern), index
+    if found < 0:
+        raise KeyError(f"{module} is in no layer of LAYERS: add it to the layer it belongs to")
+    return found
 
 
 def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
@@ -79,11 +124,47 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     return found
 
 
-def test_the_module_graph_has_no_cycle():
+def import_graph() -> Dict[str, Set[str]]:
     modules = hvdp_modules()
-    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_module_graph_has_no_cycle():
+    graph = import_graph()
     assert graph["hvdp.build"] >= {"hvdp.horovod_build.patches", "hvdp.backends.registry"}  # the parser sees imports
+    assert graph["hvdp.backends.torch_spec"] >= {"hvdp.backends.torch"}  # and modules named in strings
+    assert graph["hvdp.cli"] >= {"hvdp.launch", "hvdp.bench", "hvdp.doctor"}  # imported by importlib
     assert cycles(graph) == []
+
+
+def test_every_module_stands_in_one_declared_layer():
+    graph = import_graph()
+    assert sorted(m for m in graph if not _placed(m)) == []
+    assert [layer_of(m) for m in ("hvdp.cli", "hvdp.keras", "hvdp", "hvdp._framework", "hvdp.backends.torch",
+                                  "hvdp.errors")] == [0, 1, 2, 3, 5, 6]
+
+
+def _placed(module: str) -> bool:
+    try:
+        layer_of(module)
+    except KeyError:
+        return False
+    return True
+
+
+def test_no_module_imports_one_of_a_higher_layer():
+    graph = import_graph()
+    upward = [f"{name} ({LAYERS[layer_of(name)][0]}) imports {other} ({LAYERS[layer_of(other)][0]})"
+              for name, targets in sorted(graph.items()) for other in sorted(targets)
+              if layer_of(other) < layer_of(name)]
+    assert upward == []
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path):
+    lower = tmp_path / "errors.py"
+    lower.write_text("import importlib\nCOMMAND = importlib.import_module('hvdp.cli')\n")
+    found = imports_of("hvdp.errors", lower, {"hvdp.errors": lower, "hvdp.cli": lower})
+    assert found == {"hvdp.cli"} and layer_of("hvdp.cli") < layer_of("hvdp.errors")
 
 
 def test_the_cycle_finder_finds_one():

@@ -1,0 +1,181 @@
+"""The Keras 3 adapter, shared by both Keras backends (TensorFlow and torch) as Keras shares ``backend/common``.
+
+Horovod's own Keras layer does not work with Keras 3 (it silently stops
+averaging gradients), so hvdp wraps Keras 3 optimizers itself: the optimizer's
+``apply`` (which ``apply_gradients`` and ``model.fit`` both go through) reduces
+the gradients with the active backend's collectives before the update.
+The backends pass in how to reduce and broadcast; nothing here imports a
+framework at import time.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from hvdp._keras_jobs import is_distributed, is_keras_optimizer
+
+ReduceFn = Callable[[List[Any]], List[Any]]
+BroadcastFn = Callable[[Any, int, str], Any]
+
+
+def is_keras_model(obj: object) -> bool:
+    """True for a Keras 3 layer or model (checked without importing Keras)."""
+    keras = sys.modules.get("keras")
+    base = getattr(keras, "Layer", None)
+    return base is not None and isinstance(obj, base)
+
+
+def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_per_step: int = 1) -> Any:
+    """Make ``optimizer`` reduce gradients across processes before each update.
+
+    The optimizer is changed in place (its class becomes a subclass of its own
+    class with the same name), so its state, ``isinstance`` checks and saved
+    configs are kept. ``reduce_gradients`` takes the list of gradients of one
+    update and returns the reduced list in the same order.
+
+    The reduction sits where Keras turns gradients into an update: after its
+    own gradient accumulation (used for ``backward_passes_per_step``, so there
+    is one reduction per update) and before gradient clipping (so ``clipnorm``
+    clips the global gradient, as a single process would). A variable without
+    a gradient on this step gets a zero gradient, so every rank reduces the
+    same tensors and none waits for a tensor that never comes.
+
+    Example:
+        >>> opt = wrap_optimizer(keras.optimizers.SGD(0.1), reduce_fn)  # doctest: +SKIP
+    """
+    cls = optimizer.__class__
+    if is_distributed(optimizer):
+        raise ValueError(
+            f"This {cls.__name__} optimizer is already an hvdp.DistributedOptimizer; "
+            "wrap the original optimizer once."
+        )
+    if backward_passes_per_step > 1:
+        existing = optimizer.gradient_accumulation_steps
+        if existing not in (None, backward_passes_per_step):
+            raise ValueError(
+                f"backward_passes_per_step={backward_passes_per_step} contradicts the optimizer's "
+                f"gradient_accumulation_steps={existing}; set only one of them."
+            )
+        if optimizer.built and existing is None:
+            raise ValueError(
+                "backward_passes_per_step > 1 needs gradient accumulators, which a built optimizer "
+                "lacks: wrap the optimizer before its first step or broadcast_state()."
+            )
+        optimizer.gradient_accumulation_steps = backward_passes_per_step
+
+    class _DistributedKerasOptimizer(cls):  # type: ignore[misc, valid-type]
+        _hvdp_distributed = True
+        _hvdp_reduce = staticmethod(reduce_gradients)
+
+        def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> Any:
+            variables = self._trainable_variables if trainable_variables is None else list(trainable_variables)
+            grads = [
+                _zeros_like(variable) if grad is None else grad for grad, variable in zip(grads, variables)
+            ]
+            result = super().apply(grads, trainable_variables)
+            after_step = getattr(self, "_hvdp_after_step", None)
+            if after_step is not None and not getattr(self, "_hvdp_in_fit", False) and _runs_eagerly():
+                # A custom loop's update (fit runs the guard from a callback): the drift guard, each step.
+                after_step(lambda: _named(variables, _to_numpy))
+            return result
+
+        def _clip_gradients(self, grads: List[Any]) -> List[Any]:
+            reduced = self._hvdp_reduce(list(grads))
+            if self.gradient_accumulation_steps:
+                # Keras averaged the accumulated passes; hvdp's contract sums them.
+                reduced = [grad * self.gradient_accumulation_steps for grad in reduced]
+            return super()._clip_gradients(reduced)
+
+    _DistributedKerasOptimizer.__name__ = cls.__name__
+    _DistributedKerasOptimizer.__qualname__ = cls.__qualname__
+    _DistributedKerasOptimizer.__module__ = cls.__module__
+    optimizer.__class__ = _DistributedKerasOptimizer
+    return optimizer
+
+
+def _runs_eagerly() -> bool:
+    """True unless this runs while TensorFlow traces a function (where Python runs once, not each step)."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return True
+    import tensorflow as tf
+
+    return bool(tf.executing_eagerly())
+
+
+def _to_numpy(value: Any) -> Any:
+    from keras import ops
+
+    return ops.convert_to_numpy(value)
+
+
+def _zeros_like(variable: Any) -> Any:
+    from keras import ops
+
+    return ops.zeros(variable.shape, dtype=variable.dtype)
+
+
+def broadcast_state(model: Any, optimizer: Any, root_rank: int, broadcast: BroadcastFn) -> None:
+    """Assign every variable of ``model`` (and ``optimizer``) the value on ``root_rank``.
+
+    The optimizer is built on the model's trainable variables first if needed,
+    so its slots exist on every rank before they are broadcast.
+    """
+    if is_keras_model(model) and not model.built:
+        raise ValueError(
+            f"Keras model {model.name!r} is not built yet, so it has no weights to "
+            "broadcast. Build it first: call it on a batch, or model.build(input_shape), "
+            "or give its first layer an Input shape."
+        )
+    variables = list(model.variables)
+    if optimizer is not None:
+        if not is_keras_optimizer(optimizer):
+            raise TypeError(
+                f"optimizer must be a Keras 3 optimizer for a Keras model, got "
+                f"{type(optimizer).__name__}."
+            )
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        variables += list(optimizer.variables)
+    for index, variable in enumerate(variables):
+        variable.assign(broadcast(variable.value, root_rank, f"hvdp.state.{index}"))
+
+
+def named_parameters(model: Any, to_numpy: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
+    """(path, array) for each trainable variable of a Keras model."""
+    return _named(model.trainable_variables, to_numpy)
+
+
+def _named(variables: Sequence[Any], to_numpy: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
+    return [(variable.path, to_numpy(variable.value)) for variable in variables]
+
+
+def export_state(model: Any, optimizer: Any, to_numpy: Callable[[Any], Any]) -> Tuple[Dict[str, Any], Any]:
+    """A Keras model's variables (keyed by position: layer names differ between processes), and the
+    optimizer's variables as a list."""
+    arrays = {f"variable {i}": to_numpy(v.value) for i, v in enumerate(model.variables)}
+    if optimizer is None:
+        return arrays, None
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    return arrays, [to_numpy(v.value) for v in optimizer.variables]
+
+
+def import_state(model: Any, optimizer: Any, arrays: Dict[str, Any], optimizer_state: Any) -> None:
+    """Assign what :func:`export_state` returned."""
+    for i, variable in enumerate(model.variables):
+        variable.assign(arrays[f"variable {i}"])
+    if optimizer is None or optimizer_state is None:
+        return
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    if len(optimizer_state) != len(optimizer.variables):
+        from hvdp.errors import CheckpointError
+
+        raise CheckpointError(f"the checkpoint holds {len(optimizer_state)} optimizer variables but this "
+                              f"{type(optimizer).__name__} has {len(optimizer.variables)}: load it with the "
+                              "optimizer class that saved it.")
+    for variable, value in zip(optimizer.variables, optimizer_state):
+        variable.assign(value)
