@@ -20,6 +20,7 @@ import numpy as np
 from hvdp import _framework, elastic, profiler
 from hvdp import arguments as _args
 from hvdp import checkpoint as _checkpoint
+from hvdp import communicators as _communicators
 from hvdp import consistency as _consistency
 from hvdp import joining as _joining
 from hvdp import process_sets as _process_sets
@@ -81,7 +82,7 @@ def init(
         >>> sub = MPI.COMM_WORLD.Split(color=MPI.COMM_WORLD.rank // 2)  # doctest: +SKIP
         >>> hvdp.init(comm=sub)            # doctest: +SKIP
     """
-    comm = _process_sets.check_comm(comm)
+    comm = _communicators.check_comm(comm)
     sets, dynamic = _process_sets.check_process_sets(process_sets, comm)
     _process_sets.start(framework, comm, sets, dynamic)
 

@@ -1,4 +1,4 @@
-"""Elastic jobs: the driver's records (:mod:`hvdp.elastic_driver`) as messages for the user."""
+"""Elastic jobs: the driver's records (:mod:`hvdp.launch.elastic_driver`) as messages for the user."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Removal:
 class ElasticReporter:
     """Turns the elastic driver's records into messages while the job has too few workers.
 
-    Records (one JSON object per line, from :mod:`hvdp.elastic_driver`): ``exit`` (a
+    Records (one JSON object per line, from :mod:`hvdp.launch.elastic_driver`): ``exit`` (a
     worker process ended: host, slot, rank, code), ``recorded`` (every worker reported
     after a failure: which failed, which are ready), ``blacklisted`` (a host removed, its
     failed ranks, the end of its cooldown), ``waiting`` (too few slots: the driver waits up

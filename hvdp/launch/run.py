@@ -89,8 +89,8 @@ def run(argv: List[str]) -> int:
         job.elastic = ElasticReporter(args.min_np or 1, JobWatcher(), list_hosts,
                                       say=lambda text: print(text, file=sys.stderr, flush=True))
         read_fd, job.events_fd = os.pipe()
-        # Horovod's own driver, reporting what it decides (hvdp/elastic_driver.py).
-        job.command = [sys.executable, "-m", "hvdp.elastic_driver", "--events-fd", str(job.events_fd),
+        # Horovod's own driver, reporting what it decides (hvdp/launch/elastic_driver.py).
+        job.command = [sys.executable, "-m", "hvdp.launch.elastic_driver", "--events-fd", str(job.events_fd),
                        *command[1:]]
         reader = threading.Thread(target=job.elastic.read, args=(os.fdopen(read_fd, "r"),), daemon=True)
         reader.start()

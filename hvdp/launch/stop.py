@@ -98,7 +98,7 @@ def _launcher_name(process: Any) -> Optional[str]:
     for name in ("horovodrun", "mpirun", "orterun", "ssh"):
         if name in words:
             return name
-    if "hvdp.elastic_driver" in words or "hvdp.launch.horovodrun" in words:
+    if "hvdp.launch.elastic_driver" in words or "hvdp.launch.horovodrun" in words:
         return "horovodrun"
     return None
 

@@ -9,7 +9,7 @@ with it until it ends:
   :class:`TagJoiner` puts back together the lines Open MPI cut into tagged pieces);
 - SIGTERM, SIGINT and SIGHUP end every process of the job (:mod:`hvdp.launch.stop`) and
   ``hvdp run`` exits with 128 + the signal number after one line saying what it stopped;
-- an elastic job runs Horovod's own driver in :mod:`hvdp.elastic_driver`, whose records
+- an elastic job runs Horovod's own driver in :mod:`hvdp.launch.elastic_driver`, whose records
   :class:`ElasticReporter` turns into messages.
 """
 

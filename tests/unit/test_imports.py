@@ -64,12 +64,12 @@ def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
 LAYERS = (
     ("tools", "the commands, above the library they run: hvdp run, build, doctor, bench, report",
      ("hvdp.cli", "hvdp.launch", "hvdp.launch.*", "hvdp.build", "hvdp.horovod_build", "hvdp.horovod_build.*",
-      "hvdp.doctor", "hvdp.bench", "hvdp.bench.*", "hvdp.report", "hvdp.elastic_driver")),
+      "hvdp.doctor", "hvdp.bench", "hvdp.bench.*", "hvdp.report")),
     ("keras", "hvdp.keras: the Keras callbacks, written on the public API",
      ("hvdp.keras", "hvdp._keras_callbacks")),
     ("facade", "the public API and the modules that implement its calls",
-     ("hvdp", "hvdp.arguments", "hvdp.collectives", "hvdp.process_sets", "hvdp.joining", "hvdp.elastic",
-      "hvdp.checkpoint", "hvdp.data")),
+     ("hvdp", "hvdp.arguments", "hvdp.collectives", "hvdp.process_sets", "hvdp.communicators", "hvdp.joining",
+      "hvdp.elastic", "hvdp.checkpoint", "hvdp.data")),
     ("runtime", "the job's state: the framework chosen once, its backend loaded, checks at shutdown",
      ("hvdp._framework", "hvdp.consistency", "hvdp.failures")),
     ("registry", "the frameworks' table: names, pins, how Horovod is built for each, which backend",
@@ -188,3 +188,13 @@ def test_the_tools_import_no_framework():
             "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'horovod') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+#: A module longer than this holds more than one idea: split it where the ideas part.
+MOST_LINES = 400
+
+
+def test_no_module_is_longer_than_one_reading():
+    lengths = {name: len(path.read_text().splitlines()) for name, path in hvdp_modules().items()}
+    assert {name: n for name, n in lengths.items() if n > MOST_LINES} == {}
+    assert lengths["hvdp"] > 100  # the count reads the files

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import hvdp
-from hvdp import _framework
+from hvdp import _framework, communicators
 from hvdp import process_sets as ps_module
 
 
@@ -76,17 +76,17 @@ def test_the_error_names_the_type_received():
         pass
 
     with pytest.raises(TypeError, match=r"got test_process_sets\..*Comm"):
-        ps_module.check_comm(Comm(), MPI_RANK_1_OF_4)
+        communicators.check_comm(Comm(), MPI_RANK_1_OF_4)
 
 
 def test_a_rank_list_outside_the_mpi_job_is_refused():
     with pytest.raises(hvdp.ProcessSetError, match=r"rank\(s\) \[4, 5\] are not in this MPI job of 4 processes"):
-        ps_module.check_comm([1, 4, 5], MPI_RANK_1_OF_4)
+        communicators.check_comm([1, 4, 5], MPI_RANK_1_OF_4)
 
 
 def test_a_process_outside_the_rank_list_may_not_init():
     with pytest.raises(hvdp.ProcessSetError, match="called on MPI rank 1, which is not in the list"):
-        ps_module.check_comm([0, 2], MPI_RANK_1_OF_4)
+        communicators.check_comm([0, 2], MPI_RANK_1_OF_4)
 
 
 @pytest.mark.parametrize("comm, message", [([], "the list of ranks is empty"),
@@ -95,19 +95,19 @@ def test_a_process_outside_the_rank_list_may_not_init():
                                            ([1, True], "ranks must be integers >= 0")])
 def test_bad_rank_lists_are_refused(comm, message):
     with pytest.raises((TypeError, ValueError), match=message):
-        ps_module.check_comm(comm, MPI_RANK_1_OF_4)
+        communicators.check_comm(comm, MPI_RANK_1_OF_4)
 
 
 def test_a_rank_list_needs_mpi_not_gloo():
     with pytest.raises(hvdp.ProcessSetError, match="needs Horovod's MPI controller.*hvdp run --mpi or mpirun"):
-        ps_module.check_comm([0, 1], {**MPI_RANK_1_OF_4, "HOROVOD_CONTROLLER": "gloo"})
+        communicators.check_comm([0, 1], {**MPI_RANK_1_OF_4, "HOROVOD_CONTROLLER": "gloo"})
     with pytest.raises(hvdp.ProcessSetError, match="not started by an MPI launcher"):
-        ps_module.check_comm([0, 1], {})
+        communicators.check_comm([0, 1], {})
 
 
 def test_a_valid_rank_list_passes_in_its_order():
-    assert ps_module.check_comm((3, 1), MPI_RANK_1_OF_4) == [3, 1]
-    assert ps_module.check_comm(None, {}) is None
+    assert communicators.check_comm((3, 1), MPI_RANK_1_OF_4) == [3, 1]
+    assert communicators.check_comm(None, {}) is None
 
 
 # --- hvdp.ProcessSet and hvdp.init(process_sets=...) ------------------------------------------

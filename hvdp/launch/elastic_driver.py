@@ -1,6 +1,6 @@
 """horovodrun's elastic driver, reporting what it decides to ``hvdp run``.
 
-``hvdp run --elastic`` starts ``python -m hvdp.elastic_driver --events-fd N <horovodrun
+``hvdp run --elastic`` starts ``python -m hvdp.launch.elastic_driver --events-fd N <horovodrun
 arguments>``: Horovod's own command line (``horovod.runner.launch.run_commandline``) in
 this process, with a few of the driver's methods wrapped so that, besides doing what they
 always do, they write one JSON record per line to file descriptor N:
@@ -118,7 +118,7 @@ def install(events: IO[str]) -> None:
 def main(argv: List[str]) -> None:
     """``--events-fd N`` then horovodrun's arguments."""
     if len(argv) < 2 or argv[0] != "--events-fd" or not argv[1].isdigit():
-        raise SystemExit("usage: python -m hvdp.elastic_driver --events-fd N [horovodrun arguments]")
+        raise SystemExit("usage: python -m hvdp.launch.elastic_driver --events-fd N [horovodrun arguments]")
     fd = int(argv[1])
     os.set_inheritable(fd, False)
     install(os.fdopen(fd, "w", buffering=1))
