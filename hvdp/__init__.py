@@ -25,6 +25,7 @@ from hvdp import consistency as _consistency
 from hvdp import joining as _joining
 from hvdp import process_sets as _process_sets
 from hvdp.backends.base import COMPRESSIONS
+from hvdp.backends.base import extra as _extra
 from hvdp.collectives import allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object
 from hvdp.data import shard_indices
 from hvdp.errors import (
@@ -334,7 +335,7 @@ def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str 
     handle = _process_sets.handle(process_set, "DistributedGradientTape")
     _args.check_op(op, backend, process_set)
     _args.check_choice("compression", compression, COMPRESSIONS)
-    make = getattr(backend, "distributed_gradient_tape", None)
+    make = _extra(backend, "distributed_gradient_tape")
     if make is None:
         raise FrameworkError(
             f"hvdp.DistributedGradientTape is for TensorFlow; the framework is {backend.name!r}. "
@@ -353,7 +354,7 @@ def SyncBatchNorm(num_features: int, **kwargs: Any) -> Any:
         >>> bn = hvdp.SyncBatchNorm(64)  # doctest: +SKIP
     """
     backend = _framework.current("SyncBatchNorm")
-    make = getattr(backend, "sync_batch_norm", None)
+    make = _extra(backend, "sync_batch_norm")
     if make is None:
         raise FrameworkError(
             f"hvdp.SyncBatchNorm is for torch; the framework is {backend.name!r}, whose "

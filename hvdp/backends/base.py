@@ -1,9 +1,10 @@
 """The contract every framework backend implements.
 
 A backend is a small class named ``Backend`` in ``hvdp/backends/<framework>.py``.
-It may also offer framework-specific extras beside the contract
-(``sync_batch_norm`` on torch, ``distributed_gradient_tape`` on TensorFlow);
-the facade says clearly when the chosen framework has no such extra.
+It may also offer framework-specific extras beside the contract, declared in
+:class:`Extras` and named in its ``extras`` (``sync_batch_norm`` on torch,
+``distributed_gradient_tape`` on TensorFlow); the facade says clearly when the
+chosen framework has no such extra.
 The facade in ``hvdp/__init__.py`` validates arguments and dispatches to it; the
 backend is the only place that touches the framework and ``horovod.<framework>``.
 ``tests/unit/test_backends_contract.py`` checks each backend against this Protocol.
@@ -50,6 +51,8 @@ class Backend(Protocol):
 
     #: The framework name, one of ``hvdp._framework.FRAMEWORKS``.
     name: str
+    #: The :class:`Extras` this framework offers, as methods of the same names.
+    extras: Tuple[str, ...]
 
     def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
         """Initialize Horovod for this framework; return a handle per process set.
@@ -158,6 +161,22 @@ class Backend(Protocol):
         """
 
 
+class Extras(Protocol):
+    """What a framework may offer beyond the contract. A backend names those it has in ``extras``
+    and implements them with these parameters; the facade refuses the others, saying what to use."""
+
+    def sync_batch_norm(self, num_features: int, **kwargs: Any) -> Any:
+        """torch: a BatchNorm layer whose batch statistics are computed over the job's ranks."""
+
+    def distributed_gradient_tape(self, tape: Any, op: str, compression: str, process_set: Any) -> Any:
+        """TensorFlow: ``tape`` (a ``tf.GradientTape``) with ``gradient()`` reduced across ranks."""
+
+
+def extra(backend: Backend, name: str) -> Optional[Callable[..., Any]]:
+    """The backend's extra ``name`` (one of :class:`Extras`), or None when its framework has none."""
+    return getattr(backend, name) if name in backend.extras else None
+
+
 class HorovodJob:
     """What every backend does the same way on its ``horovod.<framework>`` module, named in ``_hvd``.
 
@@ -169,6 +188,7 @@ class HorovodJob:
 
     _hvd: Any
     name: str
+    extras: Tuple[str, ...] = ()
     joining = False
 
     def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:

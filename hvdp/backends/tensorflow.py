@@ -88,6 +88,7 @@ class Backend(HorovodJob):
 
     _hvd = hvd
     name = "tensorflow"
+    extras = ("distributed_gradient_tape",)
 
     def distributed_optimizer(
         self,

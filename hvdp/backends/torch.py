@@ -144,6 +144,7 @@ class Backend(HorovodJob):
 
     _hvd = hvd
     name = "torch"
+    extras = ("sync_batch_norm",)
 
     def distributed_optimizer(
         self,
@@ -357,5 +358,5 @@ class Backend(HorovodJob):
 
     # Framework-specific extras (beside the neutral names).
 
-    def sync_batch_norm(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        return SyncBatchNorm(*args, **kwargs)
+    def sync_batch_norm(self, num_features: int, **kwargs: Any) -> torch.nn.Module:
+        return SyncBatchNorm(num_features, **kwargs)

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from hvdp import _framework
-from hvdp.backends.base import Backend
+from hvdp.backends.base import Backend, Extras
 
 
 def contract_methods():
@@ -24,3 +24,29 @@ def test_backend_matches_protocol(framework):
     assert backend.name == framework
     for name, signature in contract_methods().items():
         assert inspect.signature(getattr(module.Backend, name)) == signature, name
+
+
+def parameters(function) -> list:
+    return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
+
+
+def extras_declared() -> dict:
+    return {name: member for name, member in vars(Extras).items() if callable(member) and not name.startswith("_")}
+
+
+@pytest.mark.parametrize("framework", _framework.FRAMEWORKS)
+def test_backend_has_exactly_the_extras_it_declares(framework):
+    module = importlib.import_module(_framework.SPECS[framework].backend_module)
+    offered = module.Backend.extras
+    assert offered and set(offered) <= set(extras_declared()), offered
+    for name, declared in extras_declared().items():
+        assert hasattr(module.Backend, name) == (name in offered), f"{framework}: {name} has it, or lists it, not both"
+        if name in offered:
+            assert parameters(getattr(module.Backend, name)) == parameters(declared), name
+
+
+def test_every_extra_is_offered_by_some_framework():
+    offered = set()
+    for framework in _framework.FRAMEWORKS:
+        offered.update(importlib.import_module(_framework.SPECS[framework].backend_module).Backend.extras)
+    assert offered == set(extras_declared()) == {"sync_batch_norm", "distributed_gradient_tape"}
