@@ -17,13 +17,13 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from hvdp import _framework, elastic, profiler
-from hvdp import arguments as _args
+from hvdp import _runtime, elastic, profiler
 from hvdp import checkpoint as _checkpoint
 from hvdp import communicators as _communicators
 from hvdp import consistency as _consistency
 from hvdp import joining as _joining
 from hvdp import process_sets as _process_sets
+from hvdp import validate as _validate
 from hvdp.backends.base import COMPRESSIONS
 from hvdp.backends.base import extra as _extra
 from hvdp.collectives import allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object
@@ -122,13 +122,13 @@ def my_process_set(process_sets: Sequence[ProcessSet]) -> ProcessSet:
 
 def framework() -> str:
     """The name of the framework chosen by :func:`init`."""
-    return _framework.current("framework").name
+    return _runtime.current("framework").name
 
 
 def is_initialized() -> bool:
     """True between :func:`init` and :func:`shutdown`."""
     try:
-        _framework.current("is_initialized")
+        _runtime.current("is_initialized")
     except NotInitializedError:
         return False
     return True
@@ -141,37 +141,37 @@ def shutdown() -> None:
     another process set) without taking part in any collective. The same happens at
     interpreter exit, unless this rank dies of an uncaught exception.
     """
-    _framework.deactivate()
+    _runtime.deactivate()
 
 
 def rank() -> int:
     """This process's rank, ``0 <= rank() < size()``."""
-    return _framework.current("rank").rank()
+    return _runtime.current("rank").rank()
 
 
 def size() -> int:
     """The number of processes in the job."""
-    return _framework.current("size").size()
+    return _runtime.current("size").size()
 
 
 def local_rank() -> int:
     """This process's rank among the processes on its host."""
-    return _framework.current("local_rank").local_rank()
+    return _runtime.current("local_rank").local_rank()
 
 
 def local_size() -> int:
     """The number of processes on this host."""
-    return _framework.current("local_size").local_size()
+    return _runtime.current("local_size").local_size()
 
 
 def cross_rank() -> int:
     """The index of this process's host among all hosts."""
-    return _framework.current("cross_rank").cross_rank()
+    return _runtime.current("cross_rank").cross_rank()
 
 
 def cross_size() -> int:
     """The number of hosts in the job."""
-    return _framework.current("cross_size").cross_size()
+    return _runtime.current("cross_size").cross_size()
 
 
 def DistributedOptimizer(
@@ -216,11 +216,11 @@ def DistributedOptimizer(
     Example:
         >>> opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), model)  # doctest: +SKIP
     """
-    backend = _framework.current("DistributedOptimizer")
+    backend = _runtime.current("DistributedOptimizer")
     handle = _process_sets.handle(process_set, "DistributedOptimizer")
-    _args.check_op(op, backend, process_set)
-    _args.check_choice("compression", compression, COMPRESSIONS)
-    _args.check_optimizer_options(op, backward_passes_per_step, gradient_predivide_factor)
+    _validate.check_op(op, backend, process_set)
+    _validate.check_choice("compression", compression, COMPRESSIONS)
+    _validate.check_optimizer_options(op, backward_passes_per_step, gradient_predivide_factor)
     every = _consistency.check_every(check_every)
     wrapped = backend.distributed_optimizer(
         optimizer,
@@ -247,7 +247,7 @@ def DistributedOptimizer(
     return wrapped
 
 
-_framework.wrap_optimizers_with(DistributedOptimizer)  # for Keras optimizers load_model gives back
+_runtime.wrap_optimizers_with(DistributedOptimizer)  # for Keras optimizers load_model gives back
 
 
 def broadcast_state(
@@ -270,9 +270,9 @@ def broadcast_state(
         >>> hvdp.broadcast_state(model, optimizer)  # doctest: +SKIP
         >>> hvdp.broadcast_state(model, optimizer, process_set=group)  # doctest: +SKIP
     """
-    backend = _framework.current("broadcast_state")
+    backend = _runtime.current("broadcast_state")
     handle = _process_sets.handle(process_set, "broadcast_state")
-    backend.broadcast_state(model, optimizer, _args.check_root(root_rank, "broadcast_state", process_set), handle)
+    backend.broadcast_state(model, optimizer, _validate.check_root(root_rank, "broadcast_state", process_set), handle)
 
 
 def save_checkpoint(path: str, model: Any, optimizer: Any = None, **extras: Any) -> None:
@@ -285,7 +285,7 @@ def save_checkpoint(path: str, model: Any, optimizer: Any = None, **extras: Any)
     Example:
         >>> hvdp.save_checkpoint("ckpt/last.npz", model, optimizer, epoch=epoch, step=step)  # doctest: +SKIP
     """
-    _checkpoint.save(_framework.current("save_checkpoint"), path, model, optimizer, extras)
+    _checkpoint.save(_runtime.current("save_checkpoint"), path, model, optimizer, extras)
 
 
 def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> dict:
@@ -300,7 +300,7 @@ def load_checkpoint(path: str, model: Any, optimizer: Any = None) -> dict:
         >>> extras = hvdp.load_checkpoint("ckpt/last.npz", model, optimizer)  # doctest: +SKIP
         >>> start_epoch = extras["epoch"] + 1  # doctest: +SKIP
     """
-    return _checkpoint.load(_framework.current("load_checkpoint"), path, model, optimizer)
+    return _checkpoint.load(_runtime.current("load_checkpoint"), path, model, optimizer)
 
 
 def check_consistency(model: Any, *, process_set: Optional[ProcessSet] = None) -> None:
@@ -317,7 +317,7 @@ def check_consistency(model: Any, *, process_set: Optional[ProcessSet] = None) -
     Example:
         >>> hvdp.check_consistency(model)  # doctest: +SKIP
     """
-    backend = _framework.current("check_consistency")
+    backend = _runtime.current("check_consistency")
     _consistency.check(backend, model, _process_sets.handle(process_set, "check_consistency"),
                        _process_sets.members(process_set, "check_consistency"))
 
@@ -331,10 +331,10 @@ def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str 
         ...     loss = loss_fn(y, model(x))
         >>> grads = hvdp.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)  # doctest: +SKIP
     """
-    backend = _framework.current("DistributedGradientTape")
+    backend = _runtime.current("DistributedGradientTape")
     handle = _process_sets.handle(process_set, "DistributedGradientTape")
-    _args.check_op(op, backend, process_set)
-    _args.check_choice("compression", compression, COMPRESSIONS)
+    _validate.check_op(op, backend, process_set)
+    _validate.check_choice("compression", compression, COMPRESSIONS)
     make = _extra(backend, "distributed_gradient_tape")
     if make is None:
         raise FrameworkError(
@@ -353,7 +353,7 @@ def SyncBatchNorm(num_features: int, **kwargs: Any) -> Any:
     Example:
         >>> bn = hvdp.SyncBatchNorm(64)  # doctest: +SKIP
     """
-    backend = _framework.current("SyncBatchNorm")
+    backend = _runtime.current("SyncBatchNorm")
     make = _extra(backend, "sync_batch_norm")
     if make is None:
         raise FrameworkError(
@@ -382,7 +382,7 @@ def shard(
         >>> for epoch in range(3):                      # doctest: +SKIP
         ...     idx = hvdp.shard(len(x), seed=42, epoch=epoch)
     """
-    backend = _framework.current("shard")
+    backend = _runtime.current("shard")
     if process_set is None:
         rank_, size_ = backend.rank(), backend.size()
     else:

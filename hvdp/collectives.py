@@ -16,9 +16,9 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
-from hvdp import _framework
-from hvdp import arguments as _args
+from hvdp import _runtime
 from hvdp import process_sets as _process_sets
+from hvdp import validate as _validate
 from hvdp.errors import TensorMismatchError
 from hvdp.process_sets import ProcessSet
 
@@ -155,9 +155,9 @@ def allreduce(value: Any, op: str = "average", name: Optional[str] = None, *,
         >>> accuracy = hvdp.allreduce(correct, op="sum") / hvdp.allreduce(total, op="sum")  # doctest: +SKIP
         >>> hvdp.allreduce(t, op="sum", out=t)  # in place: no new tensor  # doctest: +SKIP
     """
-    backend = _framework.current("allreduce")
+    backend = _runtime.current("allreduce")
     handle = _process_sets.handle(process_set, "allreduce")
-    _args.check_op(op, backend, process_set)
+    _validate.check_op(op, backend, process_set)
     wire = _process_sets.collective_name("allreduce", name, process_set)
     return reduce_value(backend, value, op, name, wire, handle, process_set, out)
 
@@ -171,7 +171,7 @@ def allgather(value: Any, name: Optional[str] = None, *, process_set: Optional[P
     Example:
         >>> losses = hvdp.allgather(torch.tensor([loss]))  # doctest: +SKIP
     """
-    backend = _framework.current("allgather")
+    backend = _runtime.current("allgather")
     handle = _process_sets.handle(process_set, "allgather")
     wire = _process_sets.collective_name("allgather", name, process_set)
     return gather_value(backend, value, name, wire, handle, process_set)
@@ -186,9 +186,9 @@ def broadcast(value: Any, root_rank: int = 0, name: Optional[str] = None, *,
     Example:
         >>> seed = hvdp.broadcast(np.array([seed]), root_rank=0)  # doctest: +SKIP
     """
-    backend = _framework.current("broadcast")
+    backend = _runtime.current("broadcast")
     handle = _process_sets.handle(process_set, "broadcast")
-    root = _args.check_root(root_rank, "broadcast", process_set)
+    root = _validate.check_root(root_rank, "broadcast", process_set)
     wire = _process_sets.collective_name("broadcast", name, process_set)
     return broadcast_value(backend, value, root, name, wire, handle, process_set)
 
@@ -199,9 +199,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, process_set: Optional[Proc
     Example:
         >>> config = hvdp.broadcast_object(config if hvdp.rank() == 0 else None)  # doctest: +SKIP
     """
-    backend = _framework.current("broadcast_object")
+    backend = _runtime.current("broadcast_object")
     handle = _process_sets.handle(process_set, "broadcast_object")
-    return backend.broadcast_object(obj, _args.check_root(root_rank, "broadcast_object", process_set), handle)
+    return backend.broadcast_object(obj, _validate.check_root(root_rank, "broadcast_object", process_set), handle)
 
 
 def allgather_object(obj: Any, *, process_set: Optional[ProcessSet] = None) -> List[Any]:
@@ -210,7 +210,7 @@ def allgather_object(obj: Any, *, process_set: Optional[ProcessSet] = None) -> L
     Example:
         >>> hosts = hvdp.allgather_object(socket.gethostname())  # doctest: +SKIP
     """
-    backend = _framework.current("allgather_object")
+    backend = _runtime.current("allgather_object")
     handle = _process_sets.handle(process_set, "allgather_object")
     return backend.allgather_object(obj, handle)
 
@@ -221,6 +221,6 @@ def barrier(*, process_set: Optional[ProcessSet] = None) -> None:
     Example:
         >>> hvdp.barrier()  # doctest: +SKIP
     """
-    backend = _framework.current("barrier")
+    backend = _runtime.current("barrier")
     handle = _process_sets.handle(process_set, "barrier")
     backend.barrier(handle)

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
 import numpy as np
 
-from hvdp import _framework
+from hvdp import _runtime
 from hvdp.data import epoch_order, plan_batches
 
 __all__ = ["Sampler", "State", "run"]
@@ -89,7 +89,7 @@ class State:
     def __init__(self, model: Any = None, optimizer: Any = None, **extras: Any) -> None:
         from horovod.common.elastic import State as HorovodState
 
-        backend = _framework.current("elastic.State")
+        backend = _runtime.current("elastic.State")
         reserved = sorted(name for name in extras if name.startswith("_") or hasattr(State, name))
         if reserved:
             raise ValueError(f"hvdp.elastic.State: extra(s) {', '.join(map(repr, reserved))} would hide "
@@ -110,7 +110,7 @@ class State:
 
     def save(self) -> None:
         """Keep a copy of the model, optimizer and extras in memory (what :meth:`restore` goes back to)."""
-        backend = _framework.current("elastic.State.save")
+        backend = _runtime.current("elastic.State.save")
         if self.model is not None:
             arrays, optimizer_state = backend.export_state(self.model, self.optimizer)
             self._saved_model, self._saved_optimizer = _copy(arrays), _copy(optimizer_state)
@@ -118,7 +118,7 @@ class State:
 
     def restore(self) -> None:
         """Go back to the last saved state, undoing what was done since (after a worker failed)."""
-        backend = _framework.current("elastic.State.restore")
+        backend = _runtime.current("elastic.State.restore")
         if self.model is not None and self._saved_model is not None:
             backend.import_state(self.model, self.optimizer, _copy(self._saved_model), _copy(self._saved_optimizer))
         for name, value in self._extras.items():
@@ -126,7 +126,7 @@ class State:
 
     def sync(self) -> None:
         """Give every worker rank 0's model, optimizer and extras (when workers start or join), and save them."""
-        backend = _framework.current("elastic.State.sync")
+        backend = _runtime.current("elastic.State.sync")
         if self.model is not None:
             backend.broadcast_state(self.model, self.optimizer, 0, None)
         values = backend.broadcast_object({name: getattr(self, name) for name in self._extra_names()}, 0, None)
@@ -201,7 +201,7 @@ def run(func: F) -> F:
             raise TypeError(f"@hvdp.elastic.run: the first argument of {func.__name__}() must be an "
                             f"hvdp.elastic.State, got {type(state).__name__}. Call it as "
                             f"{func.__name__}(hvdp.elastic.State(model, optimizer, epoch=0), ...).")
-        backend = _framework.current("elastic.run")
+        backend = _runtime.current("elastic.run")
         return backend.elastic_run(func)(state, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
@@ -283,7 +283,7 @@ class Sampler:
         Call it again after every (re)start of the training function: it continues from
         the state's progress, dealing to the workers present now.
         """
-        backend = _framework.current("elastic.Sampler.batches")
+        backend = _runtime.current("elastic.Sampler.batches")
         return self._batches(epoch, backend.rank(), backend.size())
 
     def _batches(self, epoch: int, rank: int, size: int) -> Iterator[np.ndarray]:

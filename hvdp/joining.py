@@ -22,7 +22,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from hvdp import _framework, _keras_jobs
+from hvdp import _keras_jobs, _runtime
 from hvdp import consistency as _consistency
 
 
@@ -81,7 +81,7 @@ def join(model: Any, optimizer: Any = None) -> Join:
         ...     for x, y in my_uneven_batches:
         ...         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
     """
-    backend = _framework.current("join")
+    backend = _runtime.current("join")
     if optimizer is not None and getattr(optimizer, "_hvdp_whole_job", True) is False:
         raise ValueError(
             "hvdp.join() joins the whole job, but this optimizer reduces within a process set. "

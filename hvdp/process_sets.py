@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from hvdp import _framework
+from hvdp import _runtime
 from hvdp.communicators import check_ranks, world_size_hint
 from hvdp.errors import ProcessSetError
 
@@ -67,7 +67,7 @@ class ProcessSet:
             >>> if ps.included():           # doctest: +SKIP
             ...     hvdp.barrier(process_set=ps)
         """
-        return _framework.current("ProcessSet.included").rank() in self.ranks
+        return _runtime.current("ProcessSet.included").rank() in self.ranks
 
     def rank(self) -> int:
         """This process's rank inside the set, ``0 <= rank() < size()``.
@@ -75,7 +75,7 @@ class ProcessSet:
         Raises:
             ProcessSetError: this process is not in the set.
         """
-        rank = _framework.current("ProcessSet.rank").rank()
+        rank = _runtime.current("ProcessSet.rank").rank()
         if rank not in self.ranks:
             raise ProcessSetError(
                 f"{self!r}.rank() was called on rank {rank}, which is not in the set. "
@@ -163,11 +163,11 @@ def start(
     """
     world = world_size_hint(comm, os.environ)
     native = [ps for ps in process_sets if not _is_whole_job(ps, world)]
-    handles = _framework.activate(framework, comm, [list(ps.ranks) for ps in native], dynamic)
+    handles = _runtime.activate(framework, comm, [list(ps.ranks) for ps in native], dynamic)
     if handles is None:  # already running, and nothing new was asked for
         return
-    _framework.job().dynamic_sets = dynamic or _env_dynamic(None)
-    generation = _framework.generation()
+    _runtime.job().dynamic_sets = dynamic or _env_dynamic(None)
+    generation = _runtime.generation()
     for ps in process_sets:
         ps._handle, ps._generation = None, generation
     for ps, handle in zip(native, handles):
@@ -176,12 +176,12 @@ def start(
 
 def add(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Register a process set while the job runs (all ranks call it, in the same order)."""
-    backend = _framework.current("add_process_set")
+    backend = _runtime.current("add_process_set")
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps._generation == _framework.generation():
+    if ps._generation == _runtime.generation():
         raise ProcessSetError(f"hvdp.add_process_set({ps!r}): the set is already registered; use it as it is.")
     _check_in_world(ps, backend.size(), "hvdp.add_process_set")
-    if not _framework.job().dynamic_sets:
+    if not _runtime.job().dynamic_sets:
         raise ProcessSetError(
             f"hvdp.add_process_set({ps!r}) needs sets to be addable while the job runs: initialize with "
             "hvdp.init(process_sets='dynamic'), or register the sets at start with "
@@ -195,7 +195,7 @@ def add(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
                 f"hvdp.add_process_set({ps!r}): a set with these ranks is already registered; pass that "
                 "set object as process_set= instead of adding the ranks again."
             )
-    ps._handle, ps._generation = handle, _framework.generation()
+    ps._handle, ps._generation = handle, _runtime.generation()
     return ps
 
 
@@ -208,8 +208,8 @@ def handle(process_set: Optional[ProcessSet], caller: str) -> Any:
             f"hvdp.{caller}(process_set=...) takes an hvdp.ProcessSet registered with hvdp.init(process_sets="
             f"[...]) or hvdp.add_process_set, got {process_set!r}. Keep the hvdp.ProcessSet object and pass it."
         )
-    backend = _framework.current(caller)
-    if process_set._generation != _framework.generation():
+    backend = _runtime.current(caller)
+    if process_set._generation != _runtime.generation():
         raise ProcessSetError(
             f"hvdp.{caller}(process_set={process_set!r}): the set is not registered with the running job. "
             "Register it: hvdp.init(process_sets=[...]), or hvdp.add_process_set(ps) after "
@@ -238,8 +238,8 @@ def collective_name(kind: str, name: Optional[str], process_set: Optional[Proces
     """
     if name is not None:
         return name
-    unnamed = _framework.job().unnamed
-    key = (_framework.generation(), None if process_set is None else process_set.ranks)
+    unnamed = _runtime.job().unnamed
+    key = (_runtime.generation(), None if process_set is None else process_set.ranks)
     count = unnamed.get(key, 0)
     unnamed[key] = count + 1
     where = "" if process_set is None else "[" + ",".join(map(str, process_set.ranks)) + "]"
@@ -250,7 +250,7 @@ def collective_name(kind: str, name: Optional[str], process_set: Optional[Proces
 def members(process_set: Optional[ProcessSet], caller: str) -> List[int]:
     """The hvdp ranks taking part in a call on ``process_set`` (all ranks for None)."""
     if process_set is None:
-        return list(range(_framework.current(caller).size()))
+        return list(range(_runtime.current(caller).size()))
     return list(process_set.ranks)
 
 
@@ -263,7 +263,7 @@ def mine(process_sets: Sequence[ProcessSet]) -> ProcessSet:
     if isinstance(process_sets, ProcessSet) or not isinstance(process_sets, Sequence) \
             or not all(isinstance(ps, ProcessSet) for ps in process_sets):
         raise TypeError(f"hvdp.my_process_set takes a list of hvdp.ProcessSet, got {process_sets!r}.")
-    rank = _framework.current("my_process_set").rank()
+    rank = _runtime.current("my_process_set").rank()
     found = [ps for ps in process_sets if rank in ps.ranks]
     if not found:
         raise ProcessSetError(

@@ -49,7 +49,7 @@ def reduction_plan(op: str, gradient_predivide_factor: float, size: int) -> Tupl
 class Backend(Protocol):
     """What hvdp needs from a framework. Arguments arrive already validated."""
 
-    #: The framework name, one of ``hvdp._framework.FRAMEWORKS``.
+    #: The framework name, one of ``hvdp._runtime.FRAMEWORKS``.
     name: str
     #: The :class:`Extras` this framework offers, as methods of the same names.
     extras: Tuple[str, ...]

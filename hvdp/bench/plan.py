@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from hvdp import tuning
 from hvdp.backends.registry import SPECS
 from hvdp.errors import BenchError
+from hvdp.launch import defaults
 
 SECTIONS = ("overhead", "native", "allreduce", "scaling", "breakdown")
-#: The allocator settings hvdp run gives local jobs (:mod:`hvdp.tuning`), given to DDP/MWMS too in the full run.
-MALLOC_SETTINGS = (("MALLOC_MMAP_THRESHOLD_", tuning.MALLOC_MMAP_THRESHOLD),
-                   ("MALLOC_TRIM_THRESHOLD_", tuning.MALLOC_TRIM_THRESHOLD))
+#: The allocator settings hvdp run gives local jobs (:mod:`hvdp.launch.defaults`), given to DDP/MWMS too
+#: in the full run.
+MALLOC_SETTINGS = (("MALLOC_MMAP_THRESHOLD_", defaults.MALLOC_MMAP_THRESHOLD),
+                   ("MALLOC_TRIM_THRESHOLD_", defaults.MALLOC_TRIM_THRESHOLD))
 
 
 #: float32 allreduce sizes of the sweep, in bytes: 4 KB to 256 MB, by factors of 4 (--quick stops at 64 MB).

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from hvdp import _framework
+from hvdp import _runtime
 from hvdp.errors import FrameworkError, LaunchError
 from hvdp.launch.hosts import parse_hosts
 
@@ -26,7 +26,7 @@ TF_NUM_INTEROP_THREADS so that local processes share the cores instead of
 oversubscribing them (in a Slurm allocation: SLURM_CPUS_PER_TASK threads); for local
 jobs, HOROVOD_CYCLE_TIME=5, MALLOC_MMAP_THRESHOLD_=134217728,
 MALLOC_TRIM_THRESHOLD_=268435456 and, under --mpi,
-OMPI_MCA_mpi_yield_when_idle=1 (measured by hvdp bench; see hvdp/tuning.py).
+OMPI_MCA_mpi_yield_when_idle=1 (measured by hvdp bench; see hvdp/launch/defaults.py).
 Any other option before COMMAND is passed to horovodrun (see horovodrun --help)."""
 
 
@@ -284,7 +284,7 @@ def parse_run_args(argv: List[str], arity: Optional[Dict[str, int]] = None) -> R
         raise LaunchError("hvdp run: no command given; e.g. hvdp run -np 2 examples/train_digits.py.")
     if ns.framework is not None:
         try:
-            _framework.check_name(ns.framework, "hvdp run --framework")
+            _runtime.check_name(ns.framework, "hvdp run --framework")
         except FrameworkError as exc:
             raise LaunchError(str(exc)) from None
     if ns.hosts and ns.hostfile:

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from hvdp import _framework, tuning
+from hvdp import _runtime
 from hvdp.errors import LaunchError
-from hvdp.launch import worker
+from hvdp.launch import defaults, worker
 from hvdp.launch.args import DEFAULT_ELASTIC_TIMEOUT, RunArgs
 from hvdp.launch.hosts import Hosts, discovery_script_path, find_hosts, host_sources
 
@@ -52,7 +52,7 @@ def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
     """
     env: Dict[str, str] = {}
     if args.framework:
-        for var, label in ((_framework.ENV_VAR, "HVDP_FRAMEWORK"), ("KERAS_BACKEND", "KERAS_BACKEND")):
+        for var, label in ((_runtime.ENV_VAR, "HVDP_FRAMEWORK"), ("KERAS_BACKEND", "KERAS_BACKEND")):
             current = environ.get(var)
             if current and current != args.framework:
                 raise LaunchError(
@@ -85,7 +85,7 @@ def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
                 env[var] = threads
         if "TF_NUM_INTEROP_THREADS" not in environ:
             env["TF_NUM_INTEROP_THREADS"] = "1"
-    env.update(tuning.horovod_defaults(args.controller, args.framework, hosts is None, environ))
+    env.update(defaults.horovod_defaults(args.controller, args.framework, hosts is None, environ))
     if args.profile:
         env["HVDP_PROFILE_DIR"] = str(Path(args.profile).expanduser().absolute())
     if args.timeline:

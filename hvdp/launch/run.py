@@ -70,8 +70,9 @@ def run(argv: List[str]) -> int:
     job_id = uuid.uuid4().hex
     # The ranks start through the bootstrap that sends their output and failures to hvdp run.
     command = with_bootstrap(command, args)
-    job = supervise.Job(command=in_process(command), env=supervise.job_env(env, job_id), mpi=args.controller == "mpi",
-                        silence_s=0.0 if args.elastic else float(args.stall_timeout))
+    job = supervise.SupervisedJob(command=in_process(command), env=supervise.job_env(env, job_id),
+                                  mpi=args.controller == "mpi",
+                                  silence_s=0.0 if args.elastic else float(args.stall_timeout))
     hosts, _ = (None, "") if args.elastic else resolve_hosts(args, os.environ)
     listed = [name for name, _ in (found if args.elastic else hosts or [])]
     remote = sorted(set(listed) - local_addresses())

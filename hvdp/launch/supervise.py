@@ -66,7 +66,7 @@ class Output:
 
 
 @dataclass
-class Job:
+class SupervisedJob:
     """One job under supervision: what to run and how to watch it."""
 
     command: List[str]
@@ -96,7 +96,7 @@ def traceback_block(failure: Failure) -> str:
     return f"hvdp: rank {failure.rank}{where}:\n" + "".join(f"[{failure.rank}] {line}\n" for line in lines)
 
 
-def supervise(job: Job, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> Tuple[int, JobWatcher]:
+def supervise(job: SupervisedJob, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> Tuple[int, JobWatcher]:
     """Run ``job.command``, relay its output, and end all of it on SIGTERM, SIGINT or SIGHUP.
 
     Returns:

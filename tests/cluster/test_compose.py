@@ -91,7 +91,7 @@ def test_a_change_to_hvdp_rebuilds_without_compiling_horovod(image, tmp_path):
         if source.is_file():
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, copy / name)
-    touched = copy / "hvdp" / "tuning.py"
+    touched = copy / "hvdp" / "launch" / "defaults.py"
     touched.write_text(touched.read_text() + "\n# changed\n")
     tag = f"hvdp:warm-{uuid.uuid4().hex[:6]}"
     log = tmp_path / "build.log"

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from hvdp import _framework
+from hvdp import _runtime
 from hvdp.backends.base import Backend, Extras
 
 
@@ -16,9 +16,9 @@ def contract_methods():
             if callable(member) and not name.startswith("_")}
 
 
-@pytest.mark.parametrize("framework", _framework.FRAMEWORKS)
+@pytest.mark.parametrize("framework", _runtime.FRAMEWORKS)
 def test_backend_matches_protocol(framework):
-    module = importlib.import_module(_framework.SPECS[framework].backend_module)
+    module = importlib.import_module(_runtime.SPECS[framework].backend_module)
     backend = module.Backend()
     assert isinstance(backend, Backend)
     assert backend.name == framework
@@ -34,9 +34,9 @@ def extras_declared() -> dict:
     return {name: member for name, member in vars(Extras).items() if callable(member) and not name.startswith("_")}
 
 
-@pytest.mark.parametrize("framework", _framework.FRAMEWORKS)
+@pytest.mark.parametrize("framework", _runtime.FRAMEWORKS)
 def test_backend_has_exactly_the_extras_it_declares(framework):
-    module = importlib.import_module(_framework.SPECS[framework].backend_module)
+    module = importlib.import_module(_runtime.SPECS[framework].backend_module)
     offered = module.Backend.extras
     assert offered and set(offered) <= set(extras_declared()), offered
     for name, declared in extras_declared().items():
@@ -47,6 +47,6 @@ def test_backend_has_exactly_the_extras_it_declares(framework):
 
 def test_every_extra_is_offered_by_some_framework():
     offered = set()
-    for framework in _framework.FRAMEWORKS:
-        offered.update(importlib.import_module(_framework.SPECS[framework].backend_module).Backend.extras)
+    for framework in _runtime.FRAMEWORKS:
+        offered.update(importlib.import_module(_runtime.SPECS[framework].backend_module).Backend.extras)
     assert offered == set(extras_declared()) == {"sync_batch_norm", "distributed_gradient_tape"}

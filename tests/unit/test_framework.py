@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 import hvdp
-from hvdp import _framework
+from hvdp import _runtime
 
 
 def test_import_has_no_side_effects():
@@ -21,14 +21,14 @@ def test_import_has_no_side_effects():
 
 
 def test_explicit_choice_wins_and_env_is_used_when_alone():
-    assert _framework.resolve("torch", {}) == "torch"
-    assert _framework.resolve(None, {"HVDP_FRAMEWORK": "tensorflow"}) == "tensorflow"
-    assert _framework.resolve("torch", {"HVDP_FRAMEWORK": "torch"}) == "torch"
+    assert _runtime.resolve("torch", {}) == "torch"
+    assert _runtime.resolve(None, {"HVDP_FRAMEWORK": "tensorflow"}) == "tensorflow"
+    assert _runtime.resolve("torch", {"HVDP_FRAMEWORK": "torch"}) == "torch"
 
 
 def test_script_contradicting_the_launcher_is_refused():
     with pytest.raises(hvdp.FrameworkError) as err:
-        _framework.resolve("tensorflow", {"HVDP_FRAMEWORK": "torch"})
+        _runtime.resolve("tensorflow", {"HVDP_FRAMEWORK": "torch"})
     message = str(err.value)
     assert "'tensorflow'" in message and "HVDP_FRAMEWORK='torch'" in message
 
@@ -37,33 +37,33 @@ def test_script_contradicting_the_launcher_is_refused():
                                         ("jax", "Expected one of: torch, tensorflow")])
 def test_unknown_framework_names_the_value_and_the_choices(name, hint):
     with pytest.raises(hvdp.FrameworkError) as err:
-        _framework.resolve(name, {})
+        _runtime.resolve(name, {})
     assert repr(name) in str(err.value) and hint in str(err.value)
     with pytest.raises(hvdp.FrameworkError):
-        _framework.resolve(None, {"HVDP_FRAMEWORK": name})
+        _runtime.resolve(None, {"HVDP_FRAMEWORK": name})
 
 
 def test_both_installed_and_none_chosen_asks_the_user_to_choose():
-    assert _framework.is_installed("torch") and _framework.is_installed("tensorflow")
+    assert _runtime.is_installed("torch") and _runtime.is_installed("tensorflow")
     with pytest.raises(hvdp.FrameworkError, match="Both torch and tensorflow are installed"):
-        _framework.resolve(None, {})
+        _runtime.resolve(None, {})
 
 
 def test_framework_not_installed(monkeypatch):
-    monkeypatch.setattr(_framework, "is_installed", lambda name: name == "torch")
-    assert _framework.resolve(None, {}) == "torch"
+    monkeypatch.setattr(_runtime, "is_installed", lambda name: name == "torch")
+    assert _runtime.resolve(None, {}) == "torch"
     with pytest.raises(hvdp.FrameworkError, match="'tensorflow' was chosen but is not installed.*tensorflow-cpu"):
-        _framework.resolve("tensorflow", {})
+        _runtime.resolve("tensorflow", {})
 
 
 def test_contradicting_keras_backend_is_refused():
     with pytest.raises(hvdp.FrameworkError, match="KERAS_BACKEND='torch' contradicts framework 'tensorflow'"):
-        _framework.resolve("tensorflow", {"KERAS_BACKEND": "torch"})
+        _runtime.resolve("tensorflow", {"KERAS_BACKEND": "torch"})
 
 
 def with_backend_module(monkeypatch, module: str) -> None:
     """torch's backend loaded from ``module`` for the test (the registry's entry restored after)."""
-    monkeypatch.setitem(_framework.SPECS, "torch", replace(_framework.SPECS["torch"], backend_module=module))
+    monkeypatch.setitem(_runtime.SPECS, "torch", replace(_runtime.SPECS["torch"], backend_module=module))
 
 
 def test_horovod_without_the_framework_built_in_gives_the_fix(monkeypatch, tmp_path):
@@ -75,7 +75,7 @@ def test_horovod_without_the_framework_built_in_gives_the_fix(monkeypatch, tmp_p
     with_backend_module(monkeypatch, "hvdp_unbuilt_backend")
     expected = "Horovod is installed but its torch support cannot be loaded.*hvdp build"
     with pytest.raises(hvdp.FrameworkError, match=expected):
-        _framework.load_backend("torch")
+        _runtime.load_backend("torch")
 
 
 def test_missing_horovod_gives_the_fix(monkeypatch, tmp_path):
@@ -85,7 +85,7 @@ def test_missing_horovod_gives_the_fix(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     with_backend_module(monkeypatch, "hvdp_no_horovod_backend")
     with pytest.raises(hvdp.FrameworkError, match="Horovod is not installed.*hvdp build"):
-        _framework.load_backend("torch")
+        _runtime.load_backend("torch")
 
 
 @pytest.mark.parametrize("call", [hvdp.rank, hvdp.size, hvdp.local_rank, hvdp.framework,

@@ -68,16 +68,16 @@ LAYERS = (
     ("keras", "hvdp.keras: the Keras callbacks, written on the public API",
      ("hvdp.keras", "hvdp._keras_callbacks")),
     ("facade", "the public API and the modules that implement its calls",
-     ("hvdp", "hvdp.arguments", "hvdp.collectives", "hvdp.process_sets", "hvdp.communicators", "hvdp.joining",
+     ("hvdp", "hvdp.validate", "hvdp.collectives", "hvdp.process_sets", "hvdp.communicators", "hvdp.joining",
       "hvdp.elastic", "hvdp.checkpoint", "hvdp.data")),
     ("runtime", "the job's state: the framework chosen once, its backend loaded, checks at shutdown",
-     ("hvdp._framework", "hvdp.consistency", "hvdp.failures")),
+     ("hvdp._runtime", "hvdp.consistency", "hvdp.failures")),
     ("registry", "the frameworks' table: names, pins, how Horovod is built for each, which backend",
      ("hvdp.backends.registry", "hvdp.backends.torch_spec", "hvdp.backends.tensorflow_spec")),
     ("backends", "one adapter per framework over Horovod, and the Keras adapter they share",
      ("hvdp.backends", "hvdp.backends.*")),
     ("foundation", "what every layer may use, importing nothing of hvdp above it",
-     ("hvdp.errors", "hvdp.profiler", "hvdp.tuning", "hvdp._keras_jobs", "hvdp.backends.spec",
+     ("hvdp.errors", "hvdp.profiler", "hvdp._keras_jobs", "hvdp.backends.spec",
       "hvdp.backends.tensorflow_patches")),
 )
 
@@ -140,7 +140,7 @@ def test_the_module_graph_has_no_cycle():
 def test_every_module_stands_in_one_declared_layer():
     graph = import_graph()
     assert sorted(m for m in graph if not _placed(m)) == []
-    assert [layer_of(m) for m in ("hvdp.cli", "hvdp.keras", "hvdp", "hvdp._framework", "hvdp.backends.torch",
+    assert [layer_of(m) for m in ("hvdp.cli", "hvdp.keras", "hvdp", "hvdp._runtime", "hvdp.backends.torch",
                                   "hvdp.errors")] == [0, 1, 2, 3, 5, 6]
 
 

@@ -43,8 +43,8 @@ TREE = textwrap.dedent("""
 SUPERVISOR = textwrap.dedent("""
     import sys
     from hvdp.launch import supervise
-    job = supervise.Job(command=[sys.executable, sys.argv[1], sys.argv[2]], env=dict(__import__("os").environ),
-                        grace_s=2.0)
+    job = supervise.SupervisedJob(command=[sys.executable, sys.argv[1], sys.argv[2]],
+                                  env=dict(__import__("os").environ), grace_s=2.0)
     code, _ = supervise.supervise(job)
     sys.exit(code)
 """)
@@ -158,8 +158,8 @@ LOST_SUPERVISOR = textwrap.dedent("""
     from hvdp.launch.stop import descendants
     def say(code, watcher):  # as hvdp run says it: the summary, and how much of the job was still there
         job.terminal.line("stderr", f"{len(descendants())} left; {watcher.summary(code)}\\n".encode(), final=True)
-    job = supervise.Job(command=[sys.executable, sys.argv[1], sys.argv[2]], env=dict(os.environ),
-                        output=supervise.Output(), on_end=say)
+    job = supervise.SupervisedJob(command=[sys.executable, sys.argv[1], sys.argv[2]], env=dict(os.environ),
+                                  output=supervise.Output(), on_end=say)
     code, _ = supervise.supervise(job)
     sys.exit(code)
 """)

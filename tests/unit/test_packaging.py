@@ -26,11 +26,11 @@ def test_the_framework_pins_are_the_specs():
     """setup.py's extras and the install hint hvdp.init gives name the requirement of each framework's spec."""
     import re
 
-    from hvdp import _framework
+    from hvdp import _runtime
     from hvdp.backends.registry import SPECS
 
     setup = (REPO / "setup.py").read_text()
     for name, spec in SPECS.items():
         assert re.search(rf'"{name}": \["{re.escape(spec.requirement)}"\]', setup), name
-        assert _framework.INSTALL_HINT[name] == f"pip install {spec.requirement}"
-    assert tuple(SPECS) == _framework.FRAMEWORKS
+        assert _runtime.INSTALL_HINT[name] == f"pip install {spec.requirement}"
+    assert tuple(SPECS) == _runtime.FRAMEWORKS

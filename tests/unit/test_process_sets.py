@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import hvdp
-from hvdp import _framework, communicators
+from hvdp import _runtime, communicators
 from hvdp import process_sets as ps_module
 
 
@@ -48,14 +48,14 @@ class FakeBackend:
 @pytest.fixture
 def fake(monkeypatch):
     backend = FakeBackend()
-    monkeypatch.setattr(_framework, "_job", _framework.Job(backend=backend))
+    monkeypatch.setattr(_runtime, "_job", _runtime.JobState(backend=backend))
     return backend
 
 
 def registered(ranks, handle="handle"):
     """A ProcessSet as hvdp.init(process_sets=...) leaves it."""
     ps = hvdp.ProcessSet(ranks)
-    ps._handle, ps._generation = handle, _framework.generation()
+    ps._handle, ps._generation = handle, _runtime.generation()
     return ps
 
 
@@ -141,7 +141,7 @@ def test_init_process_sets_is_validated_before_anything_starts():
 
 def test_init_with_groups_while_running_is_refused(fake):
     with pytest.raises(hvdp.ProcessSetError, match="already initialized.*shutdown"):
-        _framework.activate("torch", None, [[0, 1]], False)
+        _runtime.activate("torch", None, [[0, 1]], False)
 
 
 # --- what the facade checks and dispatches -----------------------------------------------------
@@ -175,7 +175,7 @@ def test_an_unregistered_or_stale_set_is_refused(fake, monkeypatch):
     with pytest.raises(hvdp.ProcessSetError, match="not registered with the running job"):
         hvdp.allreduce(1.0, process_set=hvdp.ProcessSet([0, 1]))
     group = registered([0, 1])
-    monkeypatch.setattr(_framework.job(), "generation", _framework.generation() + 1)  # as after shutdown + init
+    monkeypatch.setattr(_runtime.job(), "generation", _runtime.generation() + 1)  # as after shutdown + init
     with pytest.raises(hvdp.ProcessSetError, match="After hvdp.shutdown"):
         hvdp.barrier(process_set=group)
 
@@ -203,7 +203,7 @@ def test_my_process_set_needs_sets_that_do_not_overlap(fake):
 
 
 def test_add_process_set_needs_dynamic_sets(fake, monkeypatch):
-    monkeypatch.setattr(_framework.job(), "dynamic_sets", False)
+    monkeypatch.setattr(_runtime.job(), "dynamic_sets", False)
     with pytest.raises(hvdp.ProcessSetError, match="initialize with hvdp.init\\(process_sets='dynamic'\\)"):
         hvdp.add_process_set([0, 1])
     with pytest.raises(hvdp.ProcessSetError, match="but the job has 4 processes"):

@@ -42,9 +42,9 @@ def optimizer_digest(optimizer: object) -> str:
         elif isinstance(tree, (int, float)):
             arrays.append(np.asarray([tree], dtype=np.float64))
 
-    from hvdp import _framework
+    from hvdp import _runtime
 
-    walk(_framework.current("test").export_state(model, optimizer)[1])
+    walk(_runtime.current("test").export_state(model, optimizer)[1])
     return digest(np.concatenate(arrays)) if arrays else "empty"
 
 

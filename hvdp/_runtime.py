@@ -34,7 +34,7 @@ INSTALL_HINT = {name: f"pip install {spec.requirement}" for name, spec in SPECS.
 
 
 @dataclass
-class Job:
+class JobState:
     """Everything hvdp knows about this process's job, in one object (tests build fresh ones).
 
     Attributes:
@@ -53,11 +53,11 @@ class Job:
     exit_handler: bool = False
 
 
-_job = Job()
+_job = JobState()
 
 
-def job() -> Job:
-    """This process's :class:`Job`."""
+def job() -> JobState:
+    """This process's :class:`JobState`."""
     return _job
 
 
