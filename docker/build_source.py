@@ -1,7 +1,7 @@
 """Copy the part of hvdp that builds Horovod: python build_source.py SRC DEST.
 
-SRC holds hvdp/. DEST gets the modules that ``import hvdp.build`` loads (the package's
-own __init__ left empty, so the facade and its imports are not needed) and hvdp/horovod_patches/,
+SRC holds hvdp/. DEST gets the modules that ``import hvdp.horovod_build.build`` loads (the package's
+own __init__ left empty, so the facade and its imports are not needed) and hvdp/horovod_build/inserted/,
 the text the build inserts into Horovod. The images build Horovod from DEST alone, so their
 Horovod layer is rebuilt only when one of these files changes, not on any change to hvdp/.
 """
@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-DATA = ["hvdp/horovod_patches"]
+DATA = ["hvdp/horovod_build/inserted"]
 
 
 def main(src: Path, dest: Path) -> None:
@@ -23,7 +23,7 @@ def main(src: Path, dest: Path) -> None:
         shutil.copytree(src / "hvdp", scratch / "hvdp", ignore=shutil.ignore_patterns("__pycache__"))
         (scratch / "hvdp" / "__init__.py").write_text("")
         sys.path.insert(0, str(scratch))
-        import hvdp.build  # noqa: F401  (what it imports is what the build needs)
+        import hvdp.horovod_build.build  # noqa: F401  (what it imports is what the build needs)
 
         used = sorted({Path(m.__file__).resolve() for m in list(sys.modules.values())
                        if getattr(m, "__file__", None) and Path(m.__file__).resolve().is_relative_to(scratch)})

@@ -1,7 +1,8 @@
 """What hvdp knows about a framework without importing it: a :class:`FrameworkSpec` per framework.
 
 ``hvdp build`` and ``hvdp doctor`` read these (through :mod:`hvdp.backends.registry`)
-to learn a framework's distributions, Horovod build flag, source patches and probes;
+to learn a framework's distributions, Horovod build flag and probes (the changes to
+Horovod's source for it are ``hvdp build``'s, in :mod:`hvdp.horovod_build.patches`);
 the backends themselves (``torch.py``, ``tensorflow.py``) import the framework and
 are loaded only by ``hvdp.init``. This module imports nothing from hvdp.
 """
@@ -9,23 +10,7 @@ are loaded only by ``hvdp.init``. This module imports nothing from hvdp.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Tuple
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One textual change to Horovod's source, which must match exactly once."""
-
-    path: str
-    old: str
-    new: str
-    why: str
-
-
-def insertion(name: str) -> str:
-    """The text of hvdp/horovod_patches/NAME.py, which a patch inserts into a Horovod module."""
-    return "\n\n" + (Path(__file__).parents[1] / "horovod_patches" / f"{name}.py").read_text()
 
 
 @dataclass(frozen=True)
@@ -39,9 +24,6 @@ class FrameworkSpec:
         horovod_flag: Horovod's build switch, ``HOROVOD_WITH_<flag>`` / ``HOROVOD_WITHOUT_<flag>``.
         horovod_module: the module of Horovod's layer for it.
         backend_module: hvdp's adapter for it (:class:`~hvdp.backends.base.Backend`), loaded by ``hvdp.init``.
-        cmake_patches: changes to its extension's CMake files in Horovod's source.
-        python_patches: changes to its Python layer in Horovod's source.
-        gpu_patches: changes only a GPU build needs.
         cuda_probe: Python that prints something non-empty when the installed build has CUDA.
         gpu_count_probe: Python run with ``facts`` (a dict) in scope, setting ``facts['gpus']``.
         bench_native: ``hvdp bench``'s contender for the framework's own data parallelism.
@@ -54,9 +36,6 @@ class FrameworkSpec:
     horovod_flag: str
     horovod_module: str
     backend_module: str
-    cmake_patches: Tuple[Patch, ...] = ()
-    python_patches: Tuple[Patch, ...] = ()
-    gpu_patches: Tuple[Patch, ...] = ()
     cuda_probe: str = ""
     gpu_count_probe: str = ""
     bench_native: str = ""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from hvdp.backends import tensorflow_patches
 from hvdp.backends.spec import FrameworkSpec
 
 SPEC = FrameworkSpec(
@@ -12,8 +11,6 @@ SPEC = FrameworkSpec(
     horovod_flag="TENSORFLOW",
     horovod_module="horovod.tensorflow",
     backend_module="hvdp.backends.tensorflow",
-    cmake_patches=tensorflow_patches.CMAKE_PATCHES,
-    python_patches=tensorflow_patches.KERAS3_PATCHES,
     cuda_probe="import tensorflow as tf; print('1' if tf.test.is_built_with_cuda() else '')",
     gpu_count_probe="import tensorflow as tf; facts['gpus'] = len(tf.config.list_physical_devices('GPU'))",
     bench_native="mwms",  # tf.distribute.MultiWorkerMirroredStrategy, one TF_CONFIG worker per process

@@ -1,7 +1,9 @@
-"""The parts of ``hvdp build`` (:mod:`hvdp.build`), by what changes together.
+"""The parts of ``hvdp build`` (:mod:`.build`, the orchestrator), by what changes together.
 
 * :mod:`.source`: Horovod's sdist, downloaded, checked, unpacked and patched.
-* :mod:`.patches`: the changes to Horovod's source, in the order they apply (part of the cache key).
+* :mod:`.patches`: the changes to Horovod's source, in the order they apply (part of the cache key):
+  every build's, then :mod:`.torch_patches` and :mod:`.tensorflow_patches`; :mod:`.patch` is one change,
+  and ``inserted/`` holds the modules a change inserts into Horovod's.
 * :mod:`.toolchain`: CMake, the C++ compiler and MPI on this machine.
 * :mod:`.cuda`: the CUDA toolkit and NCCL for ``hvdp build --gpu``.
 * :mod:`.cache`: where wheels are kept, and the key they are found by.

@@ -1,7 +1,7 @@
 """Where ``hvdp build`` keeps what it made, and the key a cached wheel is found by.
 
 The key is a hash of everything that changes the Horovod binary (see
-:func:`hvdp.build.build_inputs`); a wheel is reused only under the same key.
+:func:`hvdp.horovod_build.build.build_inputs`); a wheel is reused only under the same key.
 """
 
 from __future__ import annotations

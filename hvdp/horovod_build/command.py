@@ -11,8 +11,8 @@ import argparse
 from typing import Any
 
 from hvdp.backends.registry import SPECS
-from hvdp.build import build
 from hvdp.errors import BuildError
+from hvdp.horovod_build.build import build
 from hvdp.horovod_build.options import BuildOptions
 from hvdp.horovod_build.source import HOROVOD_VERSION
 

@@ -4,7 +4,7 @@ Common to every build: C++17 instead of C++14 (torch >= 2.1 and TensorFlow's abs
 headers need it), two fixes to Horovod's Gloo controller (process sets' Gloo
 contexts use ``HOROVOD_GLOO_IFACE``; the stall inspector sees every rank), and the
 early wake of Horovod's background loop (:data:`EARLY_WAKE`). Each framework's own
-changes come from its :class:`~hvdp.backends.spec.FrameworkSpec`.
+changes are in its module (:data:`FRAMEWORK_PATCHES`), taken in the registry's order.
 
 Every patch's text is part of the cache key (:func:`hvdp.horovod_build.cache.patches_digest`),
 so the order below is part of it too: change it only with a rebuild in mind.
@@ -12,11 +12,15 @@ so the order below is part of it too: change it only with a rebuild in mind.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Dict, Tuple
 
 from hvdp.backends.registry import SPECS
-from hvdp.backends.spec import Patch
-from hvdp.backends.tensorflow_patches import KERAS3_PATCHES
+from hvdp.horovod_build import tensorflow_patches, torch_patches
+from hvdp.horovod_build.patch import Patch
+from hvdp.horovod_build.tensorflow_patches import KERAS3_PATCHES
+
+#: Each framework's changes, by hvdp's name for it: a module with CMAKE_PATCHES, PYTHON_PATCHES, GPU_PATCHES.
+FRAMEWORK_PATCHES: Dict[str, Any] = {"torch": torch_patches, "tensorflow": tensorflow_patches}
 
 __all__ = ["EARLY_WAKE", "GPU_PATCHES", "KERAS3_PATCHES", "PATCHES", "PATCH_LEVEL", "Patch"]
 
@@ -186,15 +190,15 @@ _GLOO_IN_PLACE = Patch(
 #: common C++ sources, then each framework's Python layer.
 PATCHES: Tuple[Patch, ...] = (
     _CXX17,
-    *(patch for spec in SPECS.values() for patch in spec.cmake_patches),
+    *(patch for name in SPECS for patch in FRAMEWORK_PATCHES[name].CMAKE_PATCHES),
     *_GLOO,
     _GLOO_IN_PLACE,
     *EARLY_WAKE,
-    *(patch for spec in SPECS.values() for patch in spec.python_patches),
+    *(patch for name in SPECS for patch in FRAMEWORK_PATCHES[name].PYTHON_PATCHES),
 )
 
 #: Changes only a GPU build needs (``hvdp build --gpu``); applied after PATCHES, and part of the
-#: cache key of GPU builds only (:func:`hvdp.build.build_inputs`), so CPU builds keep their key.
+#: cache key of GPU builds only (:func:`hvdp.horovod_build.build.build_inputs`), so CPU builds keep their key.
 #: Measured with CUDA 13.0 and NCCL 2.29 from PyPI's wheels: Horovod's CUDA kernels compile as they
 #: are (C++11 suits nvcc 13.0, and the architectures are those nvcc lists, so none that CUDA 13 dropped).
-GPU_PATCHES: Tuple[Patch, ...] = tuple(patch for spec in SPECS.values() for patch in spec.gpu_patches)
+GPU_PATCHES: Tuple[Patch, ...] = tuple(patch for name in SPECS for patch in FRAMEWORK_PATCHES[name].GPU_PATCHES)

@@ -107,7 +107,7 @@ def test_a_change_to_hvdp_rebuilds_without_compiling_horovod(image, tmp_path):
         assert "--> Using cache" in frameworks, frameworks  # apt and the frameworks: cached layers
         # Horovod: the layer is reused, or (podman 4.3 does not always reuse a COPY --from layer)
         # the step runs again and installs the wheel of the same cache key from the host's cache.
-        build_step = text[text.index("from hvdp.build import"):text.index("COPY setup.py")]
+        build_step = text[text.index("from hvdp.horovod_build.build import"):text.index("COPY setup.py")]
         assert "--> Using cache" in build_step or "Cache hit:" in build_step, build_step
         assert "Compiling" not in text
         assert "Processing /opt/hvdp" in text or "Successfully installed hvdp" in text

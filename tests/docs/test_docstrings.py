@@ -23,7 +23,7 @@ import readme_blocks
 from test_readme import HERE, REPO
 
 #: files `hvdp build` puts into Horovod's source: importable only from inside Horovod
-NOT_MODULES = "hvdp/horovod_patches"
+NOT_MODULES = "hvdp/horovod_build/inserted"
 _FOUR = ("needs process sets registered at the start of a 4-process job; the process-set block of "
          "docs/process-sets.md (the four job)")
 NOT_RUN: Dict[str, str] = {
@@ -34,7 +34,7 @@ NOT_RUN: Dict[str, str] = {
     "hvdp.broadcast_state": "its second line needs a process set " + _FOUR[len("needs process sets"):],
     "hvdp.process_sets.ProcessSet": _FOUR + " runs these lines",
     "hvdp.process_sets.ProcessSet.included": _FOUR,
-    "hvdp.build.build": "builds Horovod (about 4 min on 2 cores); scripts/setup.sh runs hvdp build",
+    "hvdp.horovod_build.build.build": "builds Horovod (about 4 min on 2 cores); scripts/setup.sh runs hvdp build",
     "hvdp.backends.keras.wrap_optimizer": "an internal helper given a reduce function; hvdp.DistributedOptimizer wraps "
                                  "Keras optimizers with it in the docs' Keras blocks",
     "hvdp.profiler.enable": "turns recording on for the rest of the process, into /tmp/profile; "

@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 
-from hvdp import build
+from hvdp.horovod_build import build
 
 
 @pytest.fixture(scope="module")

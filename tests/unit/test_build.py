@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdp import build
 from hvdp.errors import BuildError
+from hvdp.horovod_build import build
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hvdp import build, doctor
+from hvdp import doctor
 from hvdp.errors import BuildError
+from hvdp.horovod_build import build
 
 REPO = Path(__file__).resolve().parents[2]
 

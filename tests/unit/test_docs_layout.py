@@ -42,7 +42,7 @@ def test_the_layout_names_every_module_of_hvdp():
     block = layout_block()
     words = set(re.findall(r"[\w.]+", block))
     missing = []
-    for path in hvdp_modules().values():  # the inserted sources (horovod_patches/) are named as a folder
+    for path in hvdp_modules().values():  # the inserted sources (horovod_build/inserted/) are named as a folder
         if path.name == "__init__.py" and path.parent != REPO / "hvdp":
             continue  # a package by its folder
         if path.name not in words and path.stem not in words:

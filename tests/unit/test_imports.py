@@ -24,7 +24,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 #: files `hvdp build` puts into Horovod's source: importable only from inside Horovod
-NOT_MODULES = REPO / "hvdp" / "horovod_patches"
+NOT_MODULES = REPO / "hvdp" / "horovod_build" / "inserted"
 
 
 def hvdp_modules() -> Dict[str, Path]:
@@ -63,7 +63,7 @@ def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
 #: A name ending in ``.*`` takes the package's modules; the longest match places a module.
 LAYERS = (
     ("tools", "the commands, above the library they run: hvdp run, build, doctor, bench, report",
-     ("hvdp.cli", "hvdp.launch", "hvdp.launch.*", "hvdp.build", "hvdp.horovod_build", "hvdp.horovod_build.*",
+     ("hvdp.cli", "hvdp.launch", "hvdp.launch.*", "hvdp.horovod_build", "hvdp.horovod_build.*",
       "hvdp.doctor", "hvdp.bench", "hvdp.bench.*", "hvdp.report")),
     ("keras", "hvdp.keras: the Keras callbacks, written on the public API",
      ("hvdp.keras", "hvdp._keras_callbacks")),
@@ -77,8 +77,7 @@ LAYERS = (
     ("backends", "one adapter per framework over Horovod, and the Keras adapter they share",
      ("hvdp.backends", "hvdp.backends.*")),
     ("foundation", "what every layer may use, importing nothing of hvdp above it",
-     ("hvdp.errors", "hvdp.profiler", "hvdp._keras_jobs", "hvdp.backends.spec",
-      "hvdp.backends.tensorflow_patches")),
+     ("hvdp.errors", "hvdp.profiler", "hvdp._keras_jobs", "hvdp.backends.spec")),
 )
 
 
@@ -131,7 +130,8 @@ def import_graph() -> Dict[str, Set[str]]:
 
 def test_the_module_graph_has_no_cycle():
     graph = import_graph()
-    assert graph["hvdp.build"] >= {"hvdp.horovod_build.patches", "hvdp.backends.registry"}  # the parser sees imports
+    # the parser sees imports
+    assert graph["hvdp.horovod_build.build"] >= {"hvdp.horovod_build.patches", "hvdp.backends.registry"}
     assert graph["hvdp.backends.torch_spec"] >= {"hvdp.backends.torch"}  # and modules named in strings
     assert graph["hvdp.cli"] >= {"hvdp.launch", "hvdp.bench", "hvdp.doctor"}  # imported by importlib
     assert cycles(graph) == []
@@ -184,7 +184,7 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
 
 
 def test_the_tools_import_no_framework():
-    code = ("import sys, hvdp, hvdp.build, hvdp.doctor, hvdp.cli, hvdp.bench, hvdp.backends.registry\n"
+    code = ("import sys, hvdp, hvdp.horovod_build.build, hvdp.doctor, hvdp.cli, hvdp.bench, hvdp.backends.registry\n"
             "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'horovod') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"

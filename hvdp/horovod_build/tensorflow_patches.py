@@ -1,14 +1,14 @@
 """The changes Horovod 0.28.1's TensorFlow and Keras layers need on TensorFlow >= 2.16 / Keras 3.
 
 Unpatched, they fail on Keras 3 variables or, for the Keras DistributedOptimizer, train
-without averaging. The larger insertions are modules in ``hvdp/horovod_patches/``; what
+without averaging. The larger insertions are modules in ``hvdp/horovod_build/inserted/``; what
 each change fixes is its ``why``. ``hvdp build`` applies them (see :mod:`hvdp.horovod_build.patches`).
 """
 
 from __future__ import annotations
 
-from hvdp.backends.spec import Patch
-from hvdp.backends.spec import insertion as _insertion
+from hvdp.horovod_build.patch import Patch
+from hvdp.horovod_build.patch import insertion as _insertion
 
 #: XLA ops (``xla_mpi_ops.cc``) need headers the TensorFlow wheel lacks: compiled only with ``hvdp build --xla``.
 CMAKE_PATCHES = (
@@ -84,7 +84,7 @@ KERAS3_PATCHES = (
           "the input's name and whether to pass training= from call()'s signature"),
     Patch(_KERAS, "class CallableList(list):",
           _insertion("keras_optimizer").lstrip("\n") + "\n\nclass CallableList(list):",
-          "Keras 3 DistributedOptimizer and load_model (hvdp/horovod_patches/keras_optimizer.py)"),
+          "Keras 3 DistributedOptimizer and load_model (hvdp/horovod_build/inserted/keras_optimizer.py)"),
     Patch(_KERAS, "    class _DistributedOptimizer(*optimizer.__class__.__bases__):\n",
           "    if is_keras3_optimizer(optimizer):\n"
           "        return create_keras3_distributed_optimizer(\n"
@@ -104,7 +104,7 @@ KERAS3_PATCHES = (
           "classes, not Horovod's factory functions)"),
     Patch(_CALLBACKS, "                  (epoch + 1, new_lr))\n",
           "                  (epoch + 1, new_lr))\n" + _insertion("keras_callbacks"),
-          "what Horovod's Keras callbacks need under Keras 3 (hvdp/horovod_patches/keras_callbacks.py)"),
+          "what Horovod's Keras callbacks need under Keras 3 (hvdp/horovod_build/inserted/keras_callbacks.py)"),
     Patch(_CALLBACKS, "        self._local_vars.add(var.ref())\n", "        self._local_vars.add(variable_ref(var))\n",
           "BroadcastGlobalVariablesCallback(local_variables=) accepts Keras 3 variables"),
     Patch(_CALLBACKS,
@@ -190,3 +190,8 @@ KERAS3_PATCHES = (
             "BroadcastGlobalVariablesCallback(local_variables=) accepts Keras 3 variables")
       for path in ("horovod/tensorflow/keras/callbacks.py", "horovod/keras/callbacks.py")),
 )
+
+#: horovod.tensorflow's and horovod.keras's Python layers.
+PYTHON_PATCHES = KERAS3_PATCHES
+#: A GPU build of TensorFlow's extension needs no change.
+GPU_PATCHES: tuple = ()

@@ -17,7 +17,7 @@ require (:mod:`hvdp.horovod_build.patches`), each checked to apply once:
    for it), so the stall inspector sees every rank; unpatched, under Gloo it
    never reports a stalled rank and never ends a stalled job.
 5. Horovod's TensorFlow and Keras layers work on Keras 3
-   (:mod:`hvdp.backends.tensorflow_patches`).
+   (:mod:`hvdp.horovod_build.tensorflow_patches`).
 
 The wheel is cached outside the repository under a key made of everything that
 changes the binary (:func:`build_inputs`), so a second build with the same inputs

@@ -1,4 +1,4 @@
-"""Larger additions hvdp's build makes to Horovod's Python modules (see hvdp.build.PATCHES).
+"""Larger additions hvdp's build makes to Horovod's Python modules (see hvdp.horovod_build.patches).
 
 Each module here is inserted, as text, into one Horovod module of the patched
 source; the installed Horovod never imports hvdp. They are valid Python on
