@@ -37,50 +37,29 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from hvdp.backends.registry import SPECS, dist_version, installed_versions
+from hvdp.backends.registry import SPECS, installed_versions
 from hvdp.errors import BuildError
-from hvdp.horovod_build.cache import BUILD_RECORD, cache_dir, cache_key, installed_record, patches_digest
+from hvdp.horovod_build.cache import cache_dir, cache_key, installed_record, patches_digest
 from hvdp.horovod_build.cuda import (
-    assemble_cuda_home,
-    find_cuda_home,
-    find_nccl_home,
-    framework_cuda_problems,
     gpu_environment,
-    nccl_environment,
-    pip_cuda_home,
-    pip_cuda_roots,
-    toolkit_environment,
 )
 from hvdp.horovod_build.options import BuildOptions
-from hvdp.horovod_build.patches import GPU_PATCHES, KERAS3_PATCHES, PATCH_LEVEL, PATCHES, Patch
+from hvdp.horovod_build.patches import GPU_PATCHES, PATCH_LEVEL, PATCHES
 from hvdp.horovod_build.source import (
     HOROVOD_VERSION,
-    SDIST_NAME,
-    SDIST_SHA256,
     Progress,
     fetch_sdist,
     patch_source,
     unpack_sdist,
 )
 from hvdp.horovod_build.steps import (
-    BUILD_REQUIREMENTS,
     build_environment,
     install_requirements,
     install_wheel,
     run_logged,
     wheel_command,
 )
-from hvdp.horovod_build.toolchain import APT_FIX, check_toolchain, compiler, first_line, mpi_version
-
-__all__ = [
-    "APT_FIX", "BUILD_RECORD", "BUILD_REQUIREMENTS", "GPU_PATCHES", "HOROVOD_VERSION", "KERAS3_PATCHES", "PATCHES",
-    "PATCH_LEVEL", "SDIST_NAME", "SDIST_SHA256", "BuildError", "BuildOptions", "Patch", "Progress",
-    "assemble_cuda_home", "build", "build_environment", "build_inputs", "cache_dir", "cache_key",
-    "check_cache_writable", "check_toolchain", "compiler", "dist_version", "fetch_sdist", "find_cuda_home",
-    "find_nccl_home", "framework_cuda_problems", "framework_versions", "gpu_environment", "install_wheel",
-    "installed_record", "mpi_version", "nccl_environment", "patch_source", "patches_digest", "pip_cuda_home",
-    "pip_cuda_roots", "toolkit_environment", "wheel_command",
-]
+from hvdp.horovod_build.toolchain import check_toolchain, compiler, first_line, mpi_version
 
 
 def framework_versions() -> Dict[str, str]:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from hvdp.errors import BuildError
-from hvdp.horovod_build import build
+from hvdp.horovod_build import build, patches
+from hvdp.horovod_build import cuda as cuda_build
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,7 @@ def test_cache_key_changes_with_every_input():
                          ("horovod", "0.28.2")]:
         assert build.cache_key({**base, field: value}) != key, field
     # A patch whose text changed (or a module it inserts) is a new build, even at the same PATCH_LEVEL.
-    changed = [build.Patch(p.path, p.old, p.new + "\n", p.why) if i == 0 else p
+    changed = [patches.Patch(p.path, p.old, p.new + "\n", p.why) if i == 0 else p
                for i, p in enumerate(build.PATCHES)]
     assert base["patches"] == build.patches_digest(build.PATCHES) != build.patches_digest(changed)
 
@@ -64,7 +65,7 @@ def test_keras3_patches_leave_valid_python_that_never_imports_hvdp(tmp_path):
         archive.extractall(tmp_path, filter="data")
     root = tmp_path / f"horovod-{build.HOROVOD_VERSION}"
     build.patch_source(root)
-    changed = sorted({patch.path for patch in build.KERAS3_PATCHES})
+    changed = sorted({patch.path for patch in patches.KERAS3_PATCHES})
     assert all(path.endswith(".py") for path in changed)
     for path in changed:
         text = (root / path).read_text()
@@ -131,7 +132,7 @@ def test_gpu_build_environment_on_a_cuda_layout(tmp_path, monkeypatch):
     cuda = _fake_cuda(tmp_path / "cuda-12.8", ("lib64/libnccl.so", "lib64/libnccl.so.2"))
     environ = {"PATH": f"{cuda / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
     # nvcc found on PATH: its toolkit is CUDA_HOME; NCCL found in the toolkit.
-    gpu = build.toolkit_environment(environ)
+    gpu = cuda_build.toolkit_environment(environ)
     assert gpu == {"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_CUDA_HOME": str(cuda),
                    "HOROVOD_NCCL_HOME": str(cuda), "HOROVOD_NCCL_LINK": "SHARED"}
     options = build.BuildOptions(frameworks=["torch", "tensorflow"], gpu=True, jobs=8)
@@ -150,7 +151,7 @@ def test_gpu_build_environment_on_a_cuda_layout(tmp_path, monkeypatch):
 def test_pip_nccl_with_only_a_versioned_library_gets_a_folder_of_links(tmp_path, monkeypatch):
     monkeypatch.setenv("HVDP_CACHE_DIR", str(tmp_path / "cache"))
     cuda = _fake_cuda(tmp_path / "cuda", ("lib/libnccl.so.2",))
-    gpu = build.toolkit_environment({"CUDA_HOME": str(cuda), "PATH": "/usr/bin:/bin"})
+    gpu = cuda_build.toolkit_environment({"CUDA_HOME": str(cuda), "PATH": "/usr/bin:/bin"})
     linked = Path(gpu["HOROVOD_NCCL_HOME"])
     assert linked == tmp_path / "cache" / "nccl"
     assert (linked / "lib" / "libnccl.so").resolve() == (cuda / "lib" / "libnccl.so.2").resolve()
@@ -160,7 +161,7 @@ def test_pip_nccl_with_only_a_versioned_library_gets_a_folder_of_links(tmp_path,
 def test_cuda_home_without_nvcc_and_missing_nccl_are_named(tmp_path):
     (tmp_path / "not-cuda").mkdir()
     with pytest.raises(BuildError) as err:
-        build.toolkit_environment({"CUDA_HOME": str(tmp_path / "not-cuda"), "PATH": "/usr/bin:/bin"})
+        cuda_build.toolkit_environment({"CUDA_HOME": str(tmp_path / "not-cuda"), "PATH": "/usr/bin:/bin"})
     assert f"CUDA_HOME={tmp_path / 'not-cuda'} has no bin/nvcc" in str(err.value)
     assert "NCCL (nccl.h and libnccl) was not found" in str(err.value)
 

@@ -11,6 +11,7 @@ import pytest
 from hvdp import doctor
 from hvdp.errors import BuildError
 from hvdp.horovod_build import build
+from hvdp.horovod_build import cuda as cuda_build
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +42,7 @@ def fake_cu13(site: Path) -> Path:
 def test_cu13_wheels_become_a_toolkit_folder_of_links(tmp_path, monkeypatch):
     monkeypatch.setenv("HVDP_CACHE_DIR", str(tmp_path / "cache"))
     nvidia = fake_cu13(tmp_path / "site")
-    home = Path(build.pip_cuda_home(nvidia) or "")
+    home = Path(cuda_build.pip_cuda_home(nvidia) or "")
     assert home.parent == tmp_path / "cache" / "cuda" and home.name.startswith("cu13-")
     cu13 = nvidia / "cu13"
     assert (home / "bin" / "nvcc").resolve() == (cu13 / "bin" / "nvcc").resolve()
@@ -54,7 +55,7 @@ def test_cu13_wheels_become_a_toolkit_folder_of_links(tmp_path, monkeypatch):
     assert (home / "lib" / "libcudart.so").resolve() == (cu13 / "lib" / "libcudart.so.13").resolve()
     # Made again from scratch: a library gone from the wheels is gone from the folder.
     (cu13 / "lib" / "libnvrtc.so.13").unlink()
-    assert build.pip_cuda_home(nvidia) == str(home)
+    assert cuda_build.pip_cuda_home(nvidia) == str(home)
     assert not (home / "lib64" / "libnvrtc.so").exists() and not (home / "lib64" / "libnvrtc.so").is_symlink()
 
 
@@ -66,9 +67,9 @@ def test_cuda12_wheels_split_over_folders_are_merged(tmp_path, monkeypatch):
     _file(nvidia / "cuda_runtime" / "include" / "cuda_runtime.h", "")
     _file(nvidia / "cuda_runtime" / "lib" / "libcudart.so.12", "")
     _file(nvidia / "cublas" / "lib" / "libcublas.so.12", "")  # not a toolkit part: left out
-    roots = build.pip_cuda_roots(nvidia)
+    roots = cuda_build.pip_cuda_roots(nvidia)
     assert roots == [nvidia / "cuda_nvcc", nvidia / "cuda_runtime"]
-    home = Path(build.pip_cuda_home(nvidia) or "")
+    home = Path(cuda_build.pip_cuda_home(nvidia) or "")
     assert (home / "bin" / "nvcc").is_symlink()
     assert (home / "include" / "crt" / "host_config.h").exists() and (home / "include" / "cuda_runtime.h").exists()
     assert (home / "lib64" / "libcudart.so").resolve() == nvidia / "cuda_runtime" / "lib" / "libcudart.so.12"
@@ -79,8 +80,8 @@ def test_no_nvcc_wheel_no_toolkit(tmp_path):
     nvidia = tmp_path / "nvidia"
     _file(nvidia / "cu13" / "lib" / "libcudart.so.13", "")  # the runtime that torch needs, without nvcc
     _file(nvidia / "nccl" / "include" / "nccl.h", "")
-    assert build.pip_cuda_roots(nvidia) == [] and build.pip_cuda_home(nvidia) is None
-    assert build.pip_cuda_roots(tmp_path / "absent") == []
+    assert cuda_build.pip_cuda_roots(nvidia) == [] and cuda_build.pip_cuda_home(nvidia) is None
+    assert cuda_build.pip_cuda_roots(tmp_path / "absent") == []
 
 
 def test_where_the_toolkit_is_looked_for(tmp_path, monkeypatch):
@@ -92,13 +93,13 @@ def test_where_the_toolkit_is_looked_for(tmp_path, monkeypatch):
     _file(system / "bin" / "nvcc", "", 0o755)
     # 1. CUDA_HOME wins; 2. an installed toolkit's nvcc on PATH; 3. nvcc on PATH inside the wheels
     # (nvidia/cu13/bin) gives the assembled folder, as does 4. no nvcc on PATH at all.
-    assert build.find_cuda_home({"CUDA_HOME": "/opt/cuda", "PATH": str(system / "bin")}) == "/opt/cuda"
-    assert build.find_cuda_home({"PATH": f"{system / 'bin'}:/usr/bin"}) == str(system)
-    assembled = build.find_cuda_home({"PATH": str(site / "nvidia" / "cu13" / "bin")})
+    assert cuda_build.find_cuda_home({"CUDA_HOME": "/opt/cuda", "PATH": str(system / "bin")}) == "/opt/cuda"
+    assert cuda_build.find_cuda_home({"PATH": f"{system / 'bin'}:/usr/bin"}) == str(system)
+    assembled = cuda_build.find_cuda_home({"PATH": str(site / "nvidia" / "cu13" / "bin")})
     assert assembled is not None and Path(assembled).parent == tmp_path / "cache" / "cuda"
-    assert build.find_cuda_home({"PATH": str(tmp_path / "empty")}) == assembled
+    assert cuda_build.find_cuda_home({"PATH": str(tmp_path / "empty")}) == assembled
     # And the whole GPU toolkit environment: the assembled CUDA_HOME and the pip NCCL's folder of links.
-    gpu = build.toolkit_environment({"PATH": str(tmp_path / "empty")})
+    gpu = cuda_build.toolkit_environment({"PATH": str(tmp_path / "empty")})
     assert gpu["HOROVOD_CUDA_HOME"] == assembled
     assert (Path(gpu["HOROVOD_NCCL_HOME"]) / "lib" / "libnccl.so").resolve() == (
         site / "nvidia" / "nccl" / "lib" / "libnccl.so.2").resolve()
