@@ -4,7 +4,7 @@ Order of precedence: ``hvdp.init(framework=...)`` > ``HVDP_FRAMEWORK`` (set by
 ``hvdp run --framework``) > the only framework that is importable. A script
 that asks for one framework while the launcher said another is an error, never
 a guess. The frameworks, their pins and their backends come from one table,
-:mod:`hvdp.backends.registry`.
+:mod:`hvdp.frameworks`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvdp import _keras_jobs, consistency, failures, profiler
-from hvdp.backends.registry import SPECS
 from hvdp.errors import FrameworkError, NotInitializedError, ProcessSetError, ReplicaMismatchError
+from hvdp.frameworks import SPECS
 
 if TYPE_CHECKING:
     from hvdp.backends.base import Backend

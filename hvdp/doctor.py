@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from hvdp import __version__
-from hvdp.backends.registry import SPECS, dist_version, installed_versions
+from hvdp.frameworks import SPECS, dist_version, installed_versions
 from hvdp.horovod_build.cache import installed_record
 from hvdp.horovod_build.toolchain import mpi_version
 

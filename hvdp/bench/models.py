@@ -6,7 +6,7 @@
   (11.2 M parameters, 45 MB of float32 gradients).
 
 Each framework builds them in its own module (``hvdp/bench/<framework>_bench.py``, named in
-:mod:`hvdp.bench.frameworks`), so nothing here imports a framework.
+:mod:`hvdp.bench.per_framework`), so nothing here imports a framework.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from hvdp.backends.registry import SPECS
 from hvdp.errors import BenchError
+from hvdp.frameworks import SPECS
 from hvdp.launch import defaults
 
 SECTIONS = ("overhead", "native", "allreduce", "scaling", "breakdown")

@@ -9,11 +9,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from hvdp.backends.registry import SPECS
 from hvdp.bench import breakdown
 from hvdp.bench.plan import Group, Settings
 from hvdp.bench.stats import algbw, busbw, efficiency, median, quartiles, ratio
 from hvdp.errors import BenchError
+from hvdp.frameworks import SPECS
 
 
 @dataclass

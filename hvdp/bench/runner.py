@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Tuple
 
-from hvdp.backends.registry import SPECS
 from hvdp.bench.plan import Contender, Group, Settings
 from hvdp.bench.stats import median
 from hvdp.errors import BenchError
+from hvdp.frameworks import SPECS
 
 #: Thread variables every contender gets (the same as hvdp's launcher sets).
 THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")

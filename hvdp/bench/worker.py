@@ -19,8 +19,8 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from hvdp.backends.registry import SPECS
-from hvdp.bench import frameworks, models, timing
+from hvdp.bench import models, per_framework, timing
+from hvdp.frameworks import SPECS
 
 
 def _write(out: str, record: dict) -> None:
@@ -155,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.task == "train":
-        bench = frameworks.load(args.framework)
+        bench = per_framework.load(args.framework)
         rank, size, times = bench.train(args.impl, args.model, args.batch, args.warmup, args.steps)
         record: dict = {"rank": rank, "size": size, "batch": args.batch, "step_seconds": times,
                         "cpu_seconds_per_step": timing.CPU_PER_STEP[0]}

@@ -22,7 +22,7 @@ require (:mod:`hvdp.horovod_build.patches`), each checked to apply once:
 The wheel is cached outside the repository under a key made of everything that
 changes the binary (:func:`build_inputs`), so a second build with the same inputs
 only reinstalls it. Its parts are in :mod:`hvdp.horovod_build`; what differs between
-frameworks comes from :mod:`hvdp.backends.registry`.
+frameworks comes from :mod:`hvdp.frameworks`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from hvdp.backends.registry import SPECS, installed_versions
 from hvdp.errors import BuildError
+from hvdp.frameworks import SPECS, installed_versions
 from hvdp.horovod_build.cache import cache_dir, cache_key, installed_record, patches_digest
 from hvdp.horovod_build.cuda import (
     gpu_environment,

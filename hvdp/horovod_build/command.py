@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hvdp.backends.registry import SPECS
 from hvdp.errors import BuildError
+from hvdp.frameworks import SPECS
 from hvdp.horovod_build.build import build
 from hvdp.horovod_build.options import BuildOptions
 from hvdp.horovod_build.source import HOROVOD_VERSION

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hvdp.backends.registry import SPECS
 from hvdp.errors import BuildError
+from hvdp.frameworks import SPECS
 from hvdp.horovod_build.cache import cache_dir, site_dir
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Tuple
 
-from hvdp.backends.registry import SPECS
+from hvdp.frameworks import SPECS
 from hvdp.horovod_build import tensorflow_patches, torch_patches
 from hvdp.horovod_build.patch import Patch
 from hvdp.horovod_build.tensorflow_patches import KERAS3_PATCHES

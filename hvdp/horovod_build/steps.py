@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional
 
-from hvdp.backends.registry import SPECS
 from hvdp.errors import BuildError
+from hvdp.frameworks import SPECS
 from hvdp.horovod_build.cache import BUILD_RECORD, site_dir
 from hvdp.horovod_build.options import BuildOptions
 

@@ -225,14 +225,14 @@ def test_target_status():
 
 
 def test_each_framework_builds_the_models_in_its_bench_module():
-    from hvdp.backends.registry import SPECS
-    from hvdp.bench import frameworks, models
+    from hvdp.bench import models, per_framework
+    from hvdp.frameworks import SPECS
 
-    assert frameworks.MODULES == {"torch": "hvdp.bench.torch_bench", "tensorflow": "hvdp.bench.tensorflow_bench"}
-    assert list(frameworks.MODULES) == list(SPECS)
-    sizes = {name: sum(p.numel() for p in frameworks.build("torch", name).parameters()) for name in models.MODELS}
+    assert per_framework.MODULES == {"torch": "hvdp.bench.torch_bench", "tensorflow": "hvdp.bench.tensorflow_bench"}
+    assert list(per_framework.MODULES) == list(SPECS)
+    sizes = {name: sum(p.numel() for p in per_framework.build("torch", name).parameters()) for name in models.MODELS}
     assert sizes == {"cnn": 582026, "mlp": 513162, "resnet18": 11181642}  # 0.6 M, 0.5 M, 11.2 M as documented
     with pytest.raises(ValueError, match="Unknown model 'vgg'. Expected one of: cnn, mlp, resnet18."):
-        frameworks.build("torch", "vgg")
+        per_framework.build("torch", "vgg")
     with pytest.raises(BenchError, match="no framework 'jax'; expected one of: torch, tensorflow"):
-        frameworks.load("jax")
+        per_framework.load("jax")

@@ -8,7 +8,7 @@
 * The modules stand in the layers declared in :data:`LAYERS`, and none imports a module of a
   higher layer: the tools over the library, the facade over the runtime over the backends.
 * ``hvdp build``, ``hvdp doctor`` and the CLI learn what they need of torch and TensorFlow
-  from :mod:`hvdp.backends.registry`, without importing either.
+  from :mod:`hvdp.frameworks`, without importing either.
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ LAYERS = (
       "hvdp.elastic", "hvdp.checkpoint", "hvdp.data")),
     ("runtime", "the job's state: the framework chosen once, its backend loaded, checks at shutdown",
      ("hvdp._runtime", "hvdp.consistency", "hvdp.failures")),
-    ("registry", "the frameworks' table: names, pins, how Horovod is built for each, which backend",
-     ("hvdp.backends.registry", "hvdp.backends.torch_spec", "hvdp.backends.tensorflow_spec")),
+    ("frameworks", "what hvdp knows of each framework without importing it: names, pins, probes, its backend",
+     ("hvdp.frameworks", "hvdp.frameworks.*")),
     ("backends", "one adapter per framework over Horovod, and the Keras adapter they share",
      ("hvdp.backends", "hvdp.backends.*")),
     ("foundation", "what every layer may use, importing nothing of hvdp above it",
-     ("hvdp.errors", "hvdp.profiler", "hvdp._keras_jobs", "hvdp.backends.spec")),
+     ("hvdp.errors", "hvdp.profiler", "hvdp._keras_jobs")),
 )
 
 
@@ -131,8 +131,8 @@ def import_graph() -> Dict[str, Set[str]]:
 def test_the_module_graph_has_no_cycle():
     graph = import_graph()
     # the parser sees imports
-    assert graph["hvdp.horovod_build.build"] >= {"hvdp.horovod_build.patches", "hvdp.backends.registry"}
-    assert graph["hvdp.backends.torch_spec"] >= {"hvdp.backends.torch"}  # and modules named in strings
+    assert graph["hvdp.horovod_build.build"] >= {"hvdp.horovod_build.patches", "hvdp.frameworks"}
+    assert graph["hvdp.frameworks.torch"] >= {"hvdp.backends.torch"}  # and modules named in strings
     assert graph["hvdp.cli"] >= {"hvdp.launch", "hvdp.bench", "hvdp.doctor"}  # imported by importlib
     assert cycles(graph) == []
 
@@ -184,7 +184,7 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
 
 
 def test_the_tools_import_no_framework():
-    code = ("import sys, hvdp, hvdp.horovod_build.build, hvdp.doctor, hvdp.cli, hvdp.bench, hvdp.backends.registry\n"
+    code = ("import sys, hvdp, hvdp.horovod_build.build, hvdp.doctor, hvdp.cli, hvdp.bench, hvdp.frameworks\n"
             "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'horovod') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"

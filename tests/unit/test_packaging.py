@@ -27,7 +27,7 @@ def test_the_framework_pins_are_the_specs():
     import re
 
     from hvdp import _runtime
-    from hvdp.backends.registry import SPECS
+    from hvdp.frameworks import SPECS
 
     setup = (REPO / "setup.py").read_text()
     for name, spec in SPECS.items():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hvdp.backends.spec import FrameworkSpec
+from hvdp.frameworks.spec import FrameworkSpec
 
 SPEC = FrameworkSpec(
     name="tensorflow",

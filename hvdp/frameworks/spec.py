@@ -1,10 +1,10 @@
 """What hvdp knows about a framework without importing it: a :class:`FrameworkSpec` per framework.
 
-``hvdp build`` and ``hvdp doctor`` read these (through :mod:`hvdp.backends.registry`)
+``hvdp build`` and ``hvdp doctor`` read these (through :mod:`hvdp.frameworks`)
 to learn a framework's distributions, Horovod build flag and probes (the changes to
 Horovod's source for it are ``hvdp build``'s, in :mod:`hvdp.horovod_build.patches`);
-the backends themselves (``torch.py``, ``tensorflow.py``) import the framework and
-are loaded only by ``hvdp.init``. This module imports nothing from hvdp.
+the backends themselves (``hvdp/backends/torch.py``, ``tensorflow.py``) import the framework
+and are loaded only by ``hvdp.init``. This module imports nothing from hvdp.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The frameworks hvdp supports, as :class:`~hvdp.backends.spec.FrameworkSpec` objects, imported lightly.
+"""The frameworks hvdp supports, as :class:`~hvdp.frameworks.spec.FrameworkSpec` objects, imported lightly.
 
 Tools that must not import torch or TensorFlow (``hvdp build``, ``hvdp doctor``) ask
 this registry what a framework is called, how it is installed and built into Horovod.
@@ -13,11 +13,11 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Dict, Optional
 
-from hvdp.backends import tensorflow_spec, torch_spec
-from hvdp.backends.spec import FrameworkSpec
+from hvdp.frameworks import tensorflow, torch
+from hvdp.frameworks.spec import FrameworkSpec
 
 #: Every supported framework by hvdp name, in the order hvdp lists them.
-SPECS: Dict[str, FrameworkSpec] = {spec.name: spec for spec in (torch_spec.SPEC, tensorflow_spec.SPEC)}
+SPECS: Dict[str, FrameworkSpec] = {spec.name: spec for spec in (torch.SPEC, tensorflow.SPEC)}
 
 
 def dist_version(*names: str) -> Optional[str]:

@@ -12,7 +12,7 @@ from typing import Any, Dict
 
 from hvdp.errors import BenchError
 
-#: Each framework's bench module, by hvdp's framework name (the keys of hvdp.backends.registry.SPECS,
+#: Each framework's bench module, by hvdp's framework name (the keys of hvdp.frameworks.SPECS,
 #: checked by tests/unit/test_bench.py): ``build_model(name)`` and ``train(...)`` timing it.
 MODULES: Dict[str, str] = {"torch": "hvdp.bench.torch_bench", "tensorflow": "hvdp.bench.tensorflow_bench"}
 
