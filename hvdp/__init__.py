@@ -218,7 +218,7 @@ def DistributedOptimizer(
     """
     backend = _runtime.current("DistributedOptimizer")
     handle = _process_sets.handle(process_set, "DistributedOptimizer")
-    _validate.check_op(op, backend, process_set)
+    _validate.check_op(op, backend, process_set, caller="hvdp.DistributedOptimizer")
     _validate.check_choice("compression", compression, COMPRESSIONS)
     _validate.check_optimizer_options(op, backward_passes_per_step, gradient_predivide_factor)
     every = _consistency.check_every(check_every)
@@ -333,7 +333,7 @@ def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str 
     """
     backend = _runtime.current("DistributedGradientTape")
     handle = _process_sets.handle(process_set, "DistributedGradientTape")
-    _validate.check_op(op, backend, process_set)
+    _validate.check_op(op, backend, process_set, caller="hvdp.DistributedGradientTape")
     _validate.check_choice("compression", compression, COMPRESSIONS)
     make = _extra(backend, "distributed_gradient_tape")
     if make is None:

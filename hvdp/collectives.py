@@ -137,7 +137,8 @@ def allreduce(value: Any, op: str = "average", name: Optional[str] = None, *,
         value: a tensor of the chosen framework, a NumPy array or a Python number;
             the result is of the same kind (a number comes back as a float for
             ``"average"``).
-        op: ``"average"``, ``"sum"`` or ``"adasum"``.
+        op: ``"average"``, ``"sum"``, ``"adasum"`` (MPI only), or elementwise ``"min"``, ``"max"``,
+            ``"product"`` (a metric's best, an early-stopping vote).
         name: a name for the collective, the same on every rank (optional).
         process_set: reduce only among the members of this :class:`ProcessSet`
             (the same holds for every collective below).

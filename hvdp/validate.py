@@ -9,7 +9,7 @@ import numbers
 from typing import Any, Optional
 
 from hvdp import process_sets as _process_sets
-from hvdp.backends.base import REDUCE_OPS
+from hvdp.backends.base import ALLREDUCE_OPS, REDUCE_OPS
 from hvdp.process_sets import ProcessSet
 
 
@@ -27,9 +27,18 @@ def check_choice(what: str, value: object, choices: tuple) -> str:
     return str(value)
 
 
-def check_op(op: object, backend: Any, process_set: Optional[ProcessSet] = None) -> str:
-    """``op`` if it is a reduction this job can run (Adasum: under MPI, on the whole job)."""
-    check_choice("op", op, REDUCE_OPS)
+def check_op(op: object, backend: Any, process_set: Optional[ProcessSet] = None, caller: str = "") -> str:
+    """``op`` if it is a reduction this job can run (Adasum: under MPI, on the whole job).
+
+    ``caller`` names a call that reduces gradients (they take :data:`REDUCE_OPS` only); without
+    it, ``op`` is an allreduce's (:data:`ALLREDUCE_OPS`).
+    """
+    if caller and op in ALLREDUCE_OPS and op not in REDUCE_OPS:
+        raise ValueError(
+            f"{caller}(op={op!r}): gradients are averaged, summed or combined with Adasum; {op!r} reduces "
+            f"values elementwise (hvdp.allreduce(x, op={op!r}) takes it). Use op='average', 'sum' or 'adasum'."
+        )
+    check_choice("op", op, REDUCE_OPS if caller else ALLREDUCE_OPS)
     if op == "adasum" and backend.controller() != "mpi":
         raise ValueError(
             "op='adasum' needs Horovod's MPI controller (Horovod runs Adasum on CPUs over MPI), but this "

@@ -25,8 +25,10 @@ import numpy as np
 
 from hvdp import _keras_jobs
 
-#: Reduction operations accepted by ``allreduce`` and ``DistributedOptimizer``.
+#: Reductions of gradients (``DistributedOptimizer``, ``DistributedGradientTape``).
 REDUCE_OPS = ("average", "sum", "adasum")
+#: Reductions ``allreduce`` takes: the gradients' and the elementwise ones, for metrics and votes.
+ALLREDUCE_OPS = REDUCE_OPS + ("min", "max", "product")
 #: Gradient compressions accepted by ``DistributedOptimizer``.
 COMPRESSIONS = ("none", "fp16")
 
@@ -269,8 +271,9 @@ class HorovodJob:
         return self._hvd.global_process_set if process_set is None else process_set
 
     def _op(self, op: str) -> Any:
-        """Horovod's reduction for one of :data:`REDUCE_OPS`."""
-        return {"average": self._hvd.Average, "sum": self._hvd.Sum, "adasum": self._hvd.Adasum}[op]
+        """Horovod's reduction for one of :data:`ALLREDUCE_OPS`."""
+        return {"average": self._hvd.Average, "sum": self._hvd.Sum, "adasum": self._hvd.Adasum,
+                "min": self._hvd.Min, "max": self._hvd.Max, "product": self._hvd.Product}[op]
 
     def _compression(self, compression: str) -> Any:
         """Horovod's compressor for one of :data:`COMPRESSIONS`."""

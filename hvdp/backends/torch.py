@@ -17,7 +17,7 @@ import torch
 
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
-from hvdp.backends.base import HorovodJob, reduction_plan
+from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
 from hvdp.backends.torch_gradients import (
     broadcast_buffers_before_forward,
     complete,
@@ -294,6 +294,10 @@ class Backend(HorovodJob):
                 complete(hvd.allreduce_async_(target, op=horovod_op, name=name, process_set=horovod_set))
             return out
         if _differentiable(tensor):
+            if op not in REDUCE_OPS:
+                raise ValueError(
+                    f"hvdp.allreduce(op={op!r}) of a tensor that requires grad: Horovod's allreduce has a gradient "
+                    f"for average and sum only. Reduce tensor.detach(), or run it under torch.no_grad().")
             return self._from_tensor(hvd.allreduce(tensor, op=horovod_op, name=name, process_set=horovod_set),
                                      as_numpy)
         return self._from_tensor(complete(hvd.allreduce_async(tensor, op=horovod_op, name=name,

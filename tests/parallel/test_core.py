@@ -62,6 +62,37 @@ def test_torch_allreduce_returns_the_kind_it_was_given(torch_job):
         assert r["allreduce_numpy"] == pytest.approx([0.5, 0.5, 0.5])
 
 
+def check_elementwise(ranks, int_dtype):
+    """min, max and product on every kind of value, against NumPy over both ranks' inputs."""
+    for r in ranks:
+        assert set(r["elementwise"]) == {"min", "max", "product"}
+        for op, got in r["elementwise"].items():
+            assert got["tensor_error"] <= 1e-6 and got["numpy_error"] <= 1e-6, (op, got)
+            assert got["ints_exact"] and got["ints_dtype"] == int_dtype, (op, got)
+            assert (got["number"], got["number_type"]) == (got["number_expected"], "int"), (op, got)
+        assert [r["elementwise"][op]["number"] for op in ("min", "max", "product")] == [2, 3, 6]
+
+
+def test_torch_elementwise_allreduce_matches_numpy_and_gradients_refuse_it(torch_job):
+    check_elementwise(torch_job.ranks, "int64")
+    for r in torch_job.ranks:
+        refused = r["elementwise_refusals"]
+        assert refused["optimizer"].startswith("ValueError: hvdp.DistributedOptimizer(op='max'): gradients are")
+        assert "Use op='average', 'sum' or 'adasum'" in refused["optimizer"]
+        assert refused["requires_grad"].startswith("ValueError: hvdp.allreduce(op='min') of a tensor that requires")
+        assert "tensor.detach()" in refused["requires_grad"]
+        assert refused["unknown"] == ("ValueError: Unknown op 'median'. "
+                                      "Expected one of: average, sum, adasum, min, max, product.")
+
+
+def test_tensorflow_elementwise_allreduce_matches_numpy_and_gradients_refuse_it(tf_job):
+    check_elementwise(tf_job.ranks, "int64")
+    for r in tf_job.ranks:
+        refused = r["elementwise_refusals"]
+        assert refused["optimizer"].startswith("ValueError: hvdp.DistributedOptimizer(op='product'): gradients")
+        assert refused["tape"].startswith("ValueError: hvdp.DistributedGradientTape(op='max'): gradients are")
+
+
 def test_tensorflow_topology_and_keras_backend(tf_job):
     check_topology(tf_job.ranks)
     assert {(r["framework"], r["keras_backend"]) for r in tf_job.ranks} == {("tensorflow", "tensorflow")}

@@ -12,7 +12,9 @@ import tensorflow as tf
 import hvdp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import _elementwise
 import _report
+from _report import refusal
 
 
 def flat(variables: list) -> list:
@@ -83,6 +85,11 @@ def main() -> None:
     record["after_loop"] = flat(loop_model.trainable_variables)
     record["allreduce_tensor"] = hvdp.allreduce(tf.constant([float(rank)] * 2)).numpy().tolist()
     record["allreduce_number"] = hvdp.allreduce(rank + 1.0)
+    record["elementwise"] = _elementwise.check(tf.constant, lambda t: t.numpy())
+    record["elementwise_refusals"] = {
+        "optimizer": refusal(lambda: hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1), op="product")),
+        "tape": refusal(lambda: hvdp.DistributedGradientTape(tf.GradientTape(), op="max")),
+    }
     _report.write(rank, record)
     hvdp.shutdown()
 

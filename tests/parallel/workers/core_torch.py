@@ -10,7 +10,9 @@ import torch
 import hvdp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import _elementwise
 import _report
+from _report import refusal
 
 
 def flat(module: torch.nn.Module) -> list:
@@ -71,6 +73,12 @@ def main() -> None:
     record["allreduce_number"] = hvdp.allreduce(rank + 1.0)
     record["allreduce_sum_int"] = hvdp.allreduce(rank + 1, op="sum")
     record["allreduce_numpy"] = hvdp.allreduce(np.full(3, rank, dtype=np.float32)).tolist()
+    record["elementwise"] = _elementwise.check(torch.from_numpy, lambda t: t.numpy())
+    record["elementwise_refusals"] = {
+        "optimizer": refusal(lambda: hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), op="max")),
+        "requires_grad": refusal(lambda: hvdp.allreduce(torch.ones(2, requires_grad=True), op="min")),
+        "unknown": refusal(lambda: hvdp.allreduce(1.0, op="median")),
+    }
     _report.write(rank, record)
     hvdp.shutdown()
 
