@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from hvdp import _runtime, elastic, profiler
+from hvdp import _runtime, elastic, keras, profiler
 from hvdp import checkpoint as _checkpoint
 from hvdp import communicators as _communicators
 from hvdp import consistency as _consistency
@@ -26,7 +26,15 @@ from hvdp import process_sets as _process_sets
 from hvdp import validate as _validate
 from hvdp.backends.base import COMPRESSIONS
 from hvdp.backends.base import extra as _extra
-from hvdp.collectives import allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object
+from hvdp.collectives import (
+    allgather,
+    allgather_object,
+    allreduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    broadcast_state,
+)
 from hvdp.data import shard_indices
 from hvdp.errors import (
     BuildError,
@@ -47,11 +55,11 @@ __version__ = "0.1.0"
 __all__ = [
     "BuildError", "CheckpointError", "DistributedOptimizer", "FrameworkError", "HvdpError", "LaunchError",
     "NotInitializedError", "DistributedGradientTape", "ProcessSet", "ProcessSetError", "ReplicaMismatchError",
-    "SyncBatchNorm", "TensorMismatchError", "__version__", "add_process_set", "allgather", "allgather_object",
-    "allreduce", "barrier", "broadcast", "broadcast_object", "broadcast_state", "check_consistency",
-    "load_checkpoint", "save_checkpoint", "cross_rank", "cross_size", "elastic", "framework", "init",
-    "is_initialized", "join", "local_rank", "local_size", "my_process_set", "rank", "profiler", "shard", "shutdown",
-    "size",
+    "SyncBatchNorm", "TensorMismatchError", "__version__", "add_process_set", "convert_sync_batchnorm",
+    "allgather", "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_object", "broadcast_state",
+    "check_consistency", "load_checkpoint", "save_checkpoint", "cross_rank", "cross_size", "elastic", "framework",
+    "init", "is_initialized", "join", "keras", "local_rank", "local_size", "my_process_set", "rank", "profiler",
+    "shard", "shutdown", "size",
 ]
 
 
@@ -250,31 +258,6 @@ def DistributedOptimizer(
 _runtime.wrap_optimizers_with(DistributedOptimizer)  # for Keras optimizers load_model gives back
 
 
-def broadcast_state(
-    model: Any,
-    optimizer: Any = None,
-    root_rank: int = 0,
-    *,
-    process_set: Optional[ProcessSet] = None,
-) -> None:
-    """Make every replica start identical: copy parameters and optimizer state from ``root_rank``.
-
-    Args:
-        model: a ``torch.nn.Module`` or a Keras 3 model (built).
-        optimizer: its optimizer, whose state (momentum, Adam moments) is copied too.
-        root_rank: the rank whose values everyone takes (with ``process_set``: the
-            rank inside the set, so 0 is the set's first member).
-        process_set: copy only among the members of this :class:`ProcessSet`.
-
-    Example:
-        >>> hvdp.broadcast_state(model, optimizer)  # doctest: +SKIP
-        >>> hvdp.broadcast_state(model, optimizer, process_set=group)  # doctest: +SKIP
-    """
-    backend = _runtime.current("broadcast_state")
-    handle = _process_sets.handle(process_set, "broadcast_state")
-    backend.broadcast_state(model, optimizer, _validate.check_root(root_rank, "broadcast_state", process_set), handle)
-
-
 def save_checkpoint(path: str, model: Any, optimizer: Any = None, **extras: Any) -> None:
     """Save the model, optimizer state and ``extras`` (epoch, step, ...) to ``path``; every rank calls it.
 
@@ -361,6 +344,26 @@ def SyncBatchNorm(num_features: int, **kwargs: Any) -> Any:
             "BatchNormalization layers keep per-replica statistics."
         )
     return make(num_features, **kwargs)
+
+
+def convert_sync_batchnorm(model: Any) -> Any:
+    """torch only: ``model`` with every BatchNorm layer in it a :func:`SyncBatchNorm` (DDP's
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``), keeping its parameters, running
+    statistics and mode; returns the model (a BatchNorm layer given alone comes back converted).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))  # doctest: +SKIP
+        >>> type(hvdp.convert_sync_batchnorm(model)[1]).__name__  # doctest: +SKIP
+        'SyncBatchNorm'
+    """
+    backend = _runtime.current("convert_sync_batchnorm")
+    convert = _extra(backend, "convert_sync_batchnorm")
+    if convert is None:
+        raise FrameworkError(
+            f"hvdp.convert_sync_batchnorm is for torch; the framework is {backend.name!r}, whose "
+            "BatchNormalization layers keep per-replica statistics."
+        )
+    return convert(model)
 
 
 def shard(

@@ -6,7 +6,9 @@ from typing import Any, Dict, Optional
 
 import keras
 
-import hvdp
+from hvdp import _runtime
+from hvdp.collectives import allreduce, broadcast_state
+from hvdp.process_sets import ProcessSet
 
 
 class BroadcastInitialState(keras.callbacks.Callback):
@@ -18,7 +20,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
         >>> model.fit(x, y, callbacks=[hvdp.keras.BroadcastInitialState()])  # doctest: +SKIP
     """
 
-    def __init__(self, root_rank: int = 0, process_set: Optional[hvdp.ProcessSet] = None) -> None:
+    def __init__(self, root_rank: int = 0, process_set: Optional[ProcessSet] = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.process_set = process_set
@@ -26,7 +28,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
         if not self._done:
-            hvdp.broadcast_state(self.model, self.model.optimizer, root_rank=self.root_rank,
+            broadcast_state(self.model, self.model.optimizer, root_rank=self.root_rank,
                                  process_set=self.process_set)
             self._done = True
 
@@ -42,7 +44,7 @@ class MetricAverage(keras.callbacks.Callback):
         >>> model.fit(x, y, callbacks=[hvdp.keras.MetricAverage()])  # doctest: +SKIP
     """
 
-    def __init__(self, process_set: Optional[hvdp.ProcessSet] = None) -> None:
+    def __init__(self, process_set: Optional[ProcessSet] = None) -> None:
         super().__init__()
         self.process_set = process_set
 
@@ -52,7 +54,7 @@ class MetricAverage(keras.callbacks.Callback):
         for key in sorted(logs):
             value = logs[key]
             if isinstance(value, (int, float)) or getattr(value, "shape", None) == ():
-                logs[key] = hvdp.allreduce(float(value), name=f"hvdp.metric.{key}", process_set=self.process_set)
+                logs[key] = allreduce(float(value), name=f"hvdp.metric.{key}", process_set=self.process_set)
 
 
 class LearningRateWarmup(keras.callbacks.Callback):
@@ -74,7 +76,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
     """
 
     def __init__(self, target_lr: Optional[float] = None, warmup_epochs: float = 5, verbose: int = 0,
-                 process_set: Optional[hvdp.ProcessSet] = None) -> None:
+                 process_set: Optional[ProcessSet] = None) -> None:
         super().__init__()
         self.process_set = process_set
         if warmup_epochs <= 0:
@@ -97,13 +99,15 @@ class LearningRateWarmup(keras.callbacks.Callback):
         if self._epoch >= self.warmup_epochs or self.target_lr is None:
             return
         progress = (self._epoch + (batch / self._steps if self._steps else 0.0)) / self.warmup_epochs
-        size = hvdp.size() if self.process_set is None else self.process_set.size()
+        size = _runtime.current("keras.LearningRateWarmup").size() if self.process_set is None \
+            else self.process_set.size()
         self.model.optimizer.learning_rate = lr_at(self.target_lr, size, min(progress, 1.0))
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         if epoch + 1 == self.warmup_epochs and self.target_lr is not None:
             self.model.optimizer.learning_rate = self.target_lr
-            leader = hvdp.rank() == 0 if self.process_set is None else self.process_set.rank() == 0
+            backend = _runtime.current("keras.LearningRateWarmup")
+            leader = backend.rank() == 0 if self.process_set is None else self.process_set.rank() == 0
             if self.verbose and leader:
                 print(f"hvdp: learning-rate warm-up done: {self.target_lr:g}")
 

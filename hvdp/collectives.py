@@ -225,3 +225,28 @@ def barrier(*, process_set: Optional[ProcessSet] = None) -> None:
     backend = _runtime.current("barrier")
     handle = _process_sets.handle(process_set, "barrier")
     backend.barrier(handle)
+
+
+def broadcast_state(
+    model: Any,
+    optimizer: Any = None,
+    root_rank: int = 0,
+    *,
+    process_set: Optional[ProcessSet] = None,
+) -> None:
+    """Make every replica start identical: copy parameters and optimizer state from ``root_rank``.
+
+    Args:
+        model: a ``torch.nn.Module`` or a Keras 3 model (built).
+        optimizer: its optimizer, whose state (momentum, Adam moments) is copied too.
+        root_rank: the rank whose values everyone takes (with ``process_set``: the
+            rank inside the set, so 0 is the set's first member).
+        process_set: copy only among the members of this :class:`ProcessSet`.
+
+    Example:
+        >>> hvdp.broadcast_state(model, optimizer)  # doctest: +SKIP
+        >>> hvdp.broadcast_state(model, optimizer, process_set=group)  # doctest: +SKIP
+    """
+    backend = _runtime.current("broadcast_state")
+    handle = _process_sets.handle(process_set, "broadcast_state")
+    backend.broadcast_state(model, optimizer, _validate.check_root(root_rank, "broadcast_state", process_set), handle)

@@ -170,6 +170,9 @@ class Extras(Protocol):
     def sync_batch_norm(self, num_features: int, **kwargs: Any) -> Any:
         """torch: a BatchNorm layer whose batch statistics are computed over the job's ranks."""
 
+    def convert_sync_batchnorm(self, module: Any) -> Any:
+        """torch: ``module`` with each BatchNorm layer inside it replaced by :meth:`sync_batch_norm`'s."""
+
     def distributed_gradient_tape(self, tape: Any, op: str, compression: str, process_set: Any) -> Any:
         """TensorFlow: ``tape`` (a ``tf.GradientTape``) with ``gradient()`` reduced across ranks."""
 

@@ -144,7 +144,7 @@ class Backend(HorovodJob):
 
     _hvd = hvd
     name = "torch"
-    extras = ("sync_batch_norm",)
+    extras = ("sync_batch_norm", "convert_sync_batchnorm")
 
     def distributed_optimizer(
         self,
@@ -364,3 +364,22 @@ class Backend(HorovodJob):
 
     def sync_batch_norm(self, num_features: int, **kwargs: Any) -> torch.nn.Module:
         return SyncBatchNorm(num_features, **kwargs)
+
+    def convert_sync_batchnorm(self, module: Any) -> Any:
+        # As torch.nn.SyncBatchNorm.convert_sync_batchnorm: the same parameters (objects, so an
+        # optimizer made before still trains them), running statistics and mode; torch's own
+        # SyncBatchNorm, which needs torch.distributed, is converted too.
+        batch_norm = torch.nn.modules.batchnorm._BatchNorm
+        if isinstance(module, batch_norm) and not isinstance(module, SyncBatchNorm):
+            converted = SyncBatchNorm(module.num_features, eps=module.eps, momentum=module.momentum,
+                                      affine=module.affine, track_running_stats=module.track_running_stats)
+            if module.affine:
+                converted.weight, converted.bias = module.weight, module.bias
+            if module.track_running_stats:
+                converted.running_mean, converted.running_var = module.running_mean, module.running_var
+                converted.num_batches_tracked = module.num_batches_tracked
+            converted.train(module.training)
+            return converted
+        for name, child in module.named_children():
+            module.add_module(name, self.convert_sync_batchnorm(child))
+        return module

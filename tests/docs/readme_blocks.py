@@ -319,6 +319,7 @@ DOCSTRINGS: Dict[str, tuple] = {
     "hvdp": ("hvdp", "torch_model", lambda n: {"opt": n["optimizer"]}),
     "hvdp.DistributedOptimizer": ("hvdp", "torch_training", None),
     "hvdp.SyncBatchNorm": ("hvdp", "torch_job", None),
+    "hvdp.convert_sync_batchnorm": ("hvdp", "torch_job", None),
     "hvdp.collectives.allreduce": ("hvdp.collectives", "torch_job",
                                    lambda n: {"correct": 20 + hvdp.rank(), "total": 32}),
     "hvdp.collectives.allgather": ("hvdp.collectives", "torch_job", lambda n: {"loss": 0.5 + hvdp.rank()}),

@@ -31,7 +31,7 @@ NOT_RUN: Dict[str, str] = {
                  "docs/process-sets.md runs it under mpirun -np 4",
     "hvdp.add_process_set": _FOUR + " runs the static form",
     "hvdp.my_process_set": _FOUR + " runs these lines",
-    "hvdp.broadcast_state": "its second line needs a process set " + _FOUR[len("needs process sets"):],
+    "hvdp.collectives.broadcast_state": "its second line needs a process set " + _FOUR[len("needs process sets"):],
     "hvdp.process_sets.ProcessSet": _FOUR + " runs these lines",
     "hvdp.process_sets.ProcessSet.included": _FOUR,
     "hvdp.horovod_build.build.build": "builds Horovod (about 4 min on 2 cores); scripts/setup.sh runs hvdp build",

@@ -105,6 +105,9 @@ def test_bad_input_gets_clear_errors_on_every_rank(job):
             assert bad[case]["seconds"] < 30
         extra = "tape_on_torch" if job.framework == "torch" else "sync_batch_norm_on_tf"
         assert bad[extra]["type"] == "FrameworkError"
+        if job.framework == "tensorflow":
+            assert bad["convert_on_tf"]["type"] == "FrameworkError"
+            assert "hvdp.convert_sync_batchnorm is for torch" in bad["convert_on_tf"]["message"]
         assert bad["after_errors"] == 2.0  # the job goes on after the errors
 
 
@@ -114,6 +117,14 @@ def test_torch_sparse_gradients_missing_gradients_and_sync_batch_norm(torch_job)
         assert rank["sparse"]["close"], rank["sparse"]
         assert rank["sync_batch_norm"]["params"]["close"] and rank["sync_batch_norm"]["running_stats"]["close"]
         assert rank["sync_batch_norm"]["eval"]["close"], "SyncBatchNorm in eval mode (CPU)"
+        converted = rank["sync_batch_norm"]["converted"]
+        assert converted["params"]["close"] and converted["running_stats"]["close"], converted
+        assert converted["same_model"] and converted["alone"] == "SyncBatchNorm"
+        assert converted["classes"] == ["Sequential", "Conv2d", "Sequential", "SyncBatchNorm", "ReLU", "Flatten",
+                                        "SyncBatchNorm", "Linear"]
+        assert converted["kept"] == {"weight_object": True, "running_mean": [2.0] * 4, "momentum": 0.3,
+                                     "training": False, "affine_off": True}
+        assert converted["forward"] == [2, 2]
         assert rank["missing_grads"]["seconds"] < 30
     assert len({r["sparse"]["digest"] for r in job.ranks}) == 1
     assert len({r["missing_grads"]["digest"] for r in job.ranks}) == 1

@@ -49,4 +49,5 @@ def test_every_extra_is_offered_by_some_framework():
     offered = set()
     for framework in _runtime.FRAMEWORKS:
         offered.update(importlib.import_module(_runtime.SPECS[framework].backend_module).Backend.extras)
-    assert offered == set(extras_declared()) == {"sync_batch_norm", "distributed_gradient_tape"}
+    assert offered == set(extras_declared()) == {"sync_batch_norm", "convert_sync_batchnorm",
+                                                 "distributed_gradient_tape"}

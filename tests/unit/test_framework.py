@@ -14,10 +14,11 @@ from hvdp import _runtime
 
 def test_import_has_no_side_effects():
     code = ("import os, sys; before = dict(os.environ); import hvdp; "
+            "callbacks = hvdp.keras._CALLBACKS; "  # hvdp.keras comes with hvdp, as in the docs' examples
             "heavy = [m for m in ('torch', 'tensorflow', 'keras', 'horovod') if m in sys.modules]; "
-            "print(heavy, before == dict(os.environ))")
+            "print(heavy, before == dict(os.environ), len(callbacks))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] True"
+    assert out.stdout.strip() == "[] True 3"
 
 
 def test_explicit_choice_wins_and_env_is_used_when_alone():

@@ -167,6 +167,7 @@ def bad_input(rank: int) -> dict:
         "dtype_mismatch": lambda: hvdp.allreduce(np.zeros(3, dtype=np.float32 if rank == 0 else np.float64),
                                                  name="grad.b"),
         "sync_batch_norm_on_tf": lambda: hvdp.SyncBatchNorm(8),
+        "convert_on_tf": lambda: hvdp.convert_sync_batchnorm(keras.Sequential()),
     }.items():
         start = time.perf_counter()
         try:

@@ -332,13 +332,17 @@ def sync_batch_norm(rank: int, size: int) -> dict:
         return torch.nn.Sequential(first, norm, torch.nn.ReLU(), last)
     model = build(hvdp.SyncBatchNorm(8))
     ref = build(torch.nn.BatchNorm1d(8))
+    converted = hvdp.convert_sync_batchnorm(build(torch.nn.BatchNorm1d(8)))  # DDP's way to the same model
     opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    converted_opt = hvdp.DistributedOptimizer(torch.optim.SGD(converted.parameters(), lr=0.1, momentum=0.9),
+                                              converted)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in batches(size):
         x, y = step[rank]
-        opt.zero_grad()
-        loss_of(model, x, y).backward()
-        opt.step()
+        for trained, trained_opt in ((model, opt), (converted, converted_opt)):
+            trained_opt.zero_grad()
+            loss_of(trained, x, y).backward()
+            trained_opt.step()
         ref_opt.zero_grad()
         whole_x, whole_y = torch.cat([s[0] for s in step]), torch.cat([s[1] for s in step])
         loss_of(ref, whole_x, whole_y).backward()
@@ -350,7 +354,30 @@ def sync_batch_norm(rank: int, size: int) -> dict:
         x, _ = batches(size)[0][rank]
         evaluated = compare(model(x).numpy().astype(np.float64), ref(x).numpy().astype(np.float64))
     return {"params": compare(flat(model), flat(ref)), "running_stats": compare(stats(model), stats(ref)),
-            "eval": evaluated, "class": type(model[1]).__name__}
+            "eval": evaluated, "class": type(model[1]).__name__,
+            "converted": {"params": compare(flat(converted), flat(ref)),
+                          "running_stats": compare(stats(converted), stats(ref)), **conversion()}}
+
+
+def conversion() -> dict:
+    """hvdp.convert_sync_batchnorm on nested BatchNorm layers of each kind: what it keeps and replaces."""
+    inner = torch.nn.BatchNorm2d(4, momentum=0.3)
+    with torch.no_grad():
+        inner.running_mean.fill_(2.0)
+        inner.weight.fill_(0.5)
+    inner.eval()
+    weight = inner.weight
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Sequential(inner, torch.nn.ReLU()),
+                                torch.nn.Flatten(), torch.nn.BatchNorm1d(64, affine=False), torch.nn.Linear(64, 2))
+    same = hvdp.convert_sync_batchnorm(model)
+    converted = same[1][0]
+    alone = hvdp.convert_sync_batchnorm(torch.nn.BatchNorm3d(2))
+    return {"same_model": same is model, "classes": [type(m).__name__ for m in model.modules()],
+            "kept": {"weight_object": converted.weight is weight, "running_mean": converted.running_mean.tolist(),
+                     "momentum": converted.momentum, "training": converted.training,
+                     "affine_off": same[3].weight is None},
+            "alone": type(alone).__name__,
+            "forward": list(same(torch.ones(2, 3, 6, 6)).shape)}
 
 
 def consistency(rank: int) -> dict:
