@@ -30,10 +30,12 @@ from hvdp.collectives import (
     allgather,
     allgather_object,
     allreduce,
+    alltoall,
     barrier,
     broadcast,
     broadcast_object,
     broadcast_state,
+    reducescatter,
 )
 from hvdp.data import shard_indices
 from hvdp.errors import (
@@ -56,10 +58,10 @@ __all__ = [
     "BuildError", "CheckpointError", "DistributedOptimizer", "FrameworkError", "HvdpError", "LaunchError",
     "NotInitializedError", "DistributedGradientTape", "ProcessSet", "ProcessSetError", "ReplicaMismatchError",
     "SyncBatchNorm", "TensorMismatchError", "__version__", "add_process_set", "convert_sync_batchnorm",
-    "allgather", "allgather_object", "allreduce", "barrier", "broadcast", "broadcast_object", "broadcast_state",
-    "check_consistency", "load_checkpoint", "save_checkpoint", "cross_rank", "cross_size", "elastic", "framework",
-    "init", "is_initialized", "join", "keras", "local_rank", "local_size", "my_process_set", "rank", "profiler",
-    "shard", "shutdown", "size",
+    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_object",
+    "broadcast_state", "check_consistency", "load_checkpoint", "save_checkpoint", "cross_rank", "cross_size",
+    "elastic", "framework", "init", "is_initialized", "join", "keras", "local_rank", "local_size",
+    "my_process_set", "rank", "profiler", "reducescatter", "shard", "shutdown", "size",
 ]
 
 

@@ -12,7 +12,7 @@ exports them.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -250,3 +250,66 @@ def broadcast_state(
     backend = _runtime.current("broadcast_state")
     handle = _process_sets.handle(process_set, "broadcast_state")
     backend.broadcast_state(model, optimizer, _validate.check_root(root_rank, "broadcast_state", process_set), handle)
+
+
+def _rows(value: Any, kind: str) -> int:
+    """The first dimension of ``value``, which ``kind`` splits between the ranks; a TypeError without one."""
+    shape = getattr(value, "shape", None)
+    if is_python_number(value) or shape is None or len(shape) == 0:
+        raise TypeError(f"hvdp.{kind} splits its value's first dimension between the ranks, so it takes a tensor or "
+                        f"array with at least one dimension, got {describe(value) if shape is not None else value!r}."
+                        f" Fix: pass an array of rows, e.g. np.asarray([value]).")
+    return int(shape[0])
+
+
+def reducescatter(value: Any, op: str = "average", name: Optional[str] = None, *,
+                  process_set: Optional[ProcessSet] = None) -> Any:
+    """Reduce ``value`` over the ranks and give each rank its part of the result's first dimension.
+
+    Rank r of n gets rows ``r * k .. (r + 1) * k`` of the reduction, ``k = rows // n``; when
+    the rows do not divide evenly the first ``rows % n`` ranks get one more (as
+    ``np.array_split``). ``op`` is ``"average"`` or ``"sum"``. Sharded optimizers reduce
+    gradients this way: each rank updates only its part.
+
+    Example:
+        >>> part = hvdp.reducescatter(np.arange(6.0).reshape(3, 2) * (hvdp.rank() + 1), op="sum")  # doctest: +SKIP
+    """
+    backend = _runtime.current("reducescatter")
+    handle = _process_sets.handle(process_set, "reducescatter")
+    if op in ("adasum", "min", "max", "product"):
+        raise ValueError(f"hvdp.reducescatter(op={op!r}): Horovod's reducescatter averages or sums. "
+                         "Use op='average' or 'sum' (or hvdp.allreduce for the others).")
+    _validate.check_choice("op", op, ("average", "sum"))
+    _rows(value, "reducescatter")
+    wire = _process_sets.collective_name("reducescatter", name, process_set)
+    return run("reducescatter", backend, value, name, lambda: backend.reducescatter(value, op, wire, handle),
+               process_set)
+
+
+def alltoall(value: Any, splits: Optional[Sequence[int]] = None, name: Optional[str] = None, *,
+             process_set: Optional[ProcessSet] = None) -> Any:
+    """Send each rank a slice of ``value``'s first dimension, and receive one from each.
+
+    Without ``splits`` the rows are cut into equal parts, part r to rank r (the rows must
+    divide by the number of ranks), and the received parts come back concatenated in rank
+    order. With ``splits`` (a count per rank, summing to the rows) rank r gets ``splits[r]``
+    rows, and the call returns ``(received, received_splits)``: the rows that came from each
+    rank, which differ between ranks (mixture-of-experts routing, sequence-sharded models).
+
+    Example:
+        >>> received, counts = hvdp.alltoall(tokens, splits=[3, 1])  # doctest: +SKIP
+    """
+    backend = _runtime.current("alltoall")
+    handle = _process_sets.handle(process_set, "alltoall")
+    rows = _rows(value, "alltoall")
+    members = backend.size() if process_set is None else process_set.size()
+    if splits is None and rows % members:
+        even = [rows // members + (r < rows % members) for r in range(members)]
+        raise ValueError(f"hvdp.alltoall: {rows} rows do not divide into {members} equal parts. Fix: pass "
+                         f"splits=, the rows for each rank (e.g. splits={even}).")
+    if splits is not None:
+        splits = _validate.check_splits(splits, rows, members)
+    wire = _process_sets.collective_name("alltoall", name, process_set)
+    received, counts = run("alltoall", backend, value, name,
+                           lambda: backend.alltoall(value, splits, wire, handle), process_set)
+    return received if splits is None else (received, counts)

@@ -6,7 +6,7 @@ Each raises ValueError saying what was received, what is allowed and how to fix 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hvdp import process_sets as _process_sets
 from hvdp.backends.base import ALLREDUCE_OPS, REDUCE_OPS
@@ -63,6 +63,28 @@ def check_root(root_rank: object, caller: str, process_set: Optional[ProcessSet]
             f"in the set, 0..{len(ranks) - 1} (root_rank=0 is its first member, rank {ranks[0]})."
         )
     return ranks[root_rank]
+
+
+def check_splits(splits: object, rows: int, members: int) -> List[int]:
+    """``hvdp.alltoall``'s ``splits``: a count of rows >= 0 for each of the ``members`` ranks, summing to ``rows``.
+
+    Example:
+        >>> check_splits((1, 2), 3, 2)
+        [1, 2]
+    """
+    if isinstance(splits, (str, bytes)) or not hasattr(splits, "__iter__"):
+        raise TypeError(f"hvdp.alltoall(splits=...) takes a list of row counts, one per rank, got {splits!r}.")
+    values = list(splits)
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 for v in values):
+        raise TypeError(f"hvdp.alltoall(splits={values!r}): each count must be an integer >= 0.")
+    counts = [int(v) for v in values]
+    if len(counts) != members:
+        raise ValueError(f"hvdp.alltoall(splits={counts!r}) has {len(counts)} counts for {members} ranks. "
+                         "Give one count per rank (of the process set), in rank order.")
+    if sum(counts) != rows:
+        raise ValueError(f"hvdp.alltoall(splits={counts!r}) sends {sum(counts)} rows, but the value has {rows}. "
+                         "The splits must sum to its first dimension.")
+    return counts
 
 
 def check_optimizer_options(op: str, backward_passes_per_step: Any, gradient_predivide_factor: Any) -> None:

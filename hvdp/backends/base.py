@@ -134,6 +134,13 @@ class Backend(Protocol):
     def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
         """Concatenate every rank's tensor or array along the first dimension."""
 
+    def reducescatter(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
+        """Reduce a tensor or array over the ranks and keep this rank's part of the first dimension."""
+
+    def alltoall(self, value: Any, splits: Optional[List[int]], name: Optional[str],
+                 process_set: Any) -> Tuple[Any, List[int]]:
+        """Send ``splits[r]`` rows (equal parts without splits) to each rank r; what came, and the rows from each."""
+
     def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
         """``root_rank``'s tensor or array, on every rank."""
 
@@ -312,6 +319,23 @@ class HorovodJob:
         tensor, as_numpy = self._to_tensor(value, "broadcast")
         return self._from_tensor(self._hvd.broadcast(tensor, root_rank, name=name,
                                                      process_set=self._set(process_set)), as_numpy)
+
+    def reducescatter(self, value: Any, op: str, name: Optional[str], process_set: Any) -> Any:
+        tensor, as_numpy = self._to_tensor(value, "reducescatter")
+        return self._from_tensor(self._hvd.reducescatter(tensor, op=self._op(op), name=name,
+                                                         process_set=self._set(process_set)), as_numpy)
+
+    def alltoall(self, value: Any, splits: Optional[List[int]], name: Optional[str],
+                 process_set: Any) -> Tuple[Any, List[int]]:
+        tensor, as_numpy = self._to_tensor(value, "alltoall")
+        # With splits Horovod also says how many rows came from each rank; without, the parts are equal.
+        sent = None if splits is None else self._to_tensor(np.asarray(splits, dtype=np.int32), "alltoall")[0]
+        result = self._hvd.alltoall(tensor, splits=sent, name=name, process_set=self._set(process_set))
+        received, counts = result if splits is not None else (result, None)
+        if counts is None:
+            members = self.size() if process_set is None else process_set.size()
+            counts = [int(received.shape[0]) // members] * members
+        return self._from_tensor(received, as_numpy), [int(c) for c in np.asarray(counts).reshape(-1)]
 
     def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, name: Optional[str] = None) -> Any:
         # Named: Horovod names it after type(obj), which differs between ranks (None off the root) and hangs.

@@ -328,6 +328,9 @@ DOCSTRINGS: Dict[str, tuple] = {
                                           lambda n: {"config": {"lr": 0.1, "rank": hvdp.rank()}}),
     "hvdp.collectives.allgather_object": ("hvdp.collectives", "torch_job", None),
     "hvdp.collectives.barrier": ("hvdp.collectives", "torch_job", None),
+    "hvdp.collectives.reducescatter": ("hvdp.collectives", "torch_job", None),
+    "hvdp.collectives.alltoall": ("hvdp.collectives", "torch_job",
+                                  lambda n: {"tokens": np.zeros((4, 2), dtype=np.float32)}),
     "hvdp.check_consistency": ("hvdp", "torch_training", None),
     "hvdp.save_checkpoint": ("hvdp", "torch_training", lambda n: {"step": 5}),
     "hvdp.load_checkpoint": ("hvdp", "torch_training", None),  # the file save_checkpoint's example wrote

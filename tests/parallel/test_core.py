@@ -73,6 +73,36 @@ def check_elementwise(ranks, int_dtype):
         assert [r["elementwise"][op]["number"] for op in ("min", "max", "product")] == [2, 3, 6]
 
 
+def check_scatter(ranks):
+    """reducescatter and alltoall against NumPy over both ranks' inputs, and their refusals."""
+    for r in ranks:
+        got = r["scatter"]
+        for op in ("sum", "average"):
+            part = got[f"reducescatter_{op}"]
+            assert part["shape"] == part["want_shape"] == [3 - r["rank"], 3], part  # 5 rows: 3 to rank 0, 2 to rank 1
+            assert part["tensor_error"] <= 1e-5 and part["numpy_error"] <= 1e-5, part
+            assert part["numpy_kind"] == "ndarray"
+        assert got["alltoall_equal"]
+        routed = got["alltoall_splits"]
+        assert routed["rows"] and routed["counts"] == routed["want_counts"], routed
+        refused = got["refusals"]
+        assert refused["op"].startswith("ValueError: hvdp.reducescatter(op='max'): Horovod's reducescatter averages")
+        assert refused["number"].startswith("TypeError: hvdp.reducescatter splits its value's first dimension")
+        assert refused["uneven"].startswith("ValueError: hvdp.alltoall: 5 rows do not divide into 2 equal parts")
+        assert "splits=[3, 2]" in refused["uneven"]
+        assert "sends 2 rows, but the value has 3" in refused["splits_sum"]
+        assert "has 1 counts for 2 ranks" in refused["splits_count"]
+        assert got["after"] == 2
+
+
+def test_torch_reducescatter_and_alltoall_match_numpy(torch_job):
+    check_scatter(torch_job.ranks)
+
+
+def test_tensorflow_reducescatter_and_alltoall_match_numpy(tf_job):
+    check_scatter(tf_job.ranks)
+
+
 def test_torch_elementwise_allreduce_matches_numpy_and_gradients_refuse_it(torch_job):
     check_elementwise(torch_job.ranks, "int64")
     for r in torch_job.ranks:

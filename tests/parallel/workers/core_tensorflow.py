@@ -14,6 +14,7 @@ import hvdp
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _elementwise
 import _report
+import _scatter
 from _report import refusal
 
 
@@ -86,6 +87,7 @@ def main() -> None:
     record["allreduce_tensor"] = hvdp.allreduce(tf.constant([float(rank)] * 2)).numpy().tolist()
     record["allreduce_number"] = hvdp.allreduce(rank + 1.0)
     record["elementwise"] = _elementwise.check(tf.constant, lambda t: t.numpy())
+    record["scatter"] = _scatter.check(tf.constant, lambda t: t.numpy())
     record["elementwise_refusals"] = {
         "optimizer": refusal(lambda: hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1), op="product")),
         "tape": refusal(lambda: hvdp.DistributedGradientTape(tf.GradientTape(), op="max")),
