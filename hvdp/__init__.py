@@ -320,13 +320,13 @@ def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str 
     handle = _process_sets.handle(process_set, "DistributedGradientTape")
     _validate.check_op(op, backend, process_set, caller="hvdp.DistributedGradientTape")
     _validate.check_choice("compression", compression, COMPRESSIONS)
-    make = _extra(backend, "distributed_gradient_tape")
-    if make is None:
-        raise FrameworkError(
-            f"hvdp.DistributedGradientTape is for TensorFlow; the framework is {backend.name!r}. "
-            "Use hvdp.DistributedOptimizer instead."
-        )
+    make = _extra(backend, "distributed_gradient_tape", "DistributedGradientTape", "TensorFlow",
+                  ". Use hvdp.DistributedOptimizer instead.")
     return make(tape, op, compression, handle)
+
+
+#: Why the batch-norm extras have no TensorFlow form.
+_PER_REPLICA = ", whose BatchNormalization layers keep per-replica statistics."
 
 
 def SyncBatchNorm(num_features: int, **kwargs: Any) -> Any:
@@ -338,13 +338,7 @@ def SyncBatchNorm(num_features: int, **kwargs: Any) -> Any:
     Example:
         >>> bn = hvdp.SyncBatchNorm(64)  # doctest: +SKIP
     """
-    backend = _runtime.current("SyncBatchNorm")
-    make = _extra(backend, "sync_batch_norm")
-    if make is None:
-        raise FrameworkError(
-            f"hvdp.SyncBatchNorm is for torch; the framework is {backend.name!r}, whose "
-            "BatchNormalization layers keep per-replica statistics."
-        )
+    make = _extra(_runtime.current("SyncBatchNorm"), "sync_batch_norm", "SyncBatchNorm", "torch", _PER_REPLICA)
     return make(num_features, **kwargs)
 
 
@@ -358,13 +352,8 @@ def convert_sync_batchnorm(model: Any) -> Any:
         >>> type(hvdp.convert_sync_batchnorm(model)[1]).__name__  # doctest: +SKIP
         'SyncBatchNorm'
     """
-    backend = _runtime.current("convert_sync_batchnorm")
-    convert = _extra(backend, "convert_sync_batchnorm")
-    if convert is None:
-        raise FrameworkError(
-            f"hvdp.convert_sync_batchnorm is for torch; the framework is {backend.name!r}, whose "
-            "BatchNormalization layers keep per-replica statistics."
-        )
+    convert = _extra(_runtime.current("convert_sync_batchnorm"), "convert_sync_batchnorm", "convert_sync_batchnorm",
+                     "torch", _PER_REPLICA)
     return convert(model)
 
 

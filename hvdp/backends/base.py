@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime
 import numpy as np
 
 from hvdp import _keras_jobs
+from hvdp.errors import FrameworkError
 
 #: Reductions of gradients (``DistributedOptimizer``, ``DistributedGradientTape``).
 REDUCE_OPS = ("average", "sum", "adasum")
@@ -138,8 +139,9 @@ class Backend(Protocol):
         """Reduce a tensor or array over the ranks and keep this rank's part of the first dimension."""
 
     def alltoall(self, value: Any, splits: Optional[List[int]], name: Optional[str],
-                 process_set: Any) -> Tuple[Any, List[int]]:
-        """Send ``splits[r]`` rows (equal parts without splits) to each rank r; what came, and the rows from each."""
+                 process_set: Any) -> Tuple[Any, Optional[List[int]]]:
+        """Send ``splits[r]`` rows (equal parts without splits) to each rank r; what came, and with
+        ``splits`` the rows from each rank (None without)."""
 
     def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
         """``root_rank``'s tensor or array, on every rank."""
@@ -184,9 +186,12 @@ class Extras(Protocol):
         """TensorFlow: ``tape`` (a ``tf.GradientTape``) with ``gradient()`` reduced across ranks."""
 
 
-def extra(backend: Backend, name: str) -> Optional[Callable[..., Any]]:
-    """The backend's extra ``name`` (one of :class:`Extras`), or None when its framework has none."""
-    return getattr(backend, name) if name in backend.extras else None
+def extra(backend: Backend, name: str, caller: str, owner: str, otherwise: str) -> Callable[..., Any]:
+    """The backend's extra ``name`` (one of :class:`Extras`); where its framework has none, a
+    FrameworkError saying that ``hvdp.<caller>`` is for ``owner``, then ``otherwise`` (what to use)."""
+    if name not in backend.extras:
+        raise FrameworkError(f"hvdp.{caller} is for {owner}; the framework is {backend.name!r}{otherwise}")
+    return getattr(backend, name)
 
 
 class HorovodJob:
@@ -326,15 +331,13 @@ class HorovodJob:
                                                          process_set=self._set(process_set)), as_numpy)
 
     def alltoall(self, value: Any, splits: Optional[List[int]], name: Optional[str],
-                 process_set: Any) -> Tuple[Any, List[int]]:
+                 process_set: Any) -> Tuple[Any, Optional[List[int]]]:
         tensor, as_numpy = self._to_tensor(value, "alltoall")
-        # With splits Horovod also says how many rows came from each rank; without, the parts are equal.
-        sent = None if splits is None else self._to_tensor(np.asarray(splits, dtype=np.int32), "alltoall")[0]
-        result = self._hvd.alltoall(tensor, splits=sent, name=name, process_set=self._set(process_set))
-        received, counts = result if splits is not None else (result, None)
-        if counts is None:
-            members = self.size() if process_set is None else process_set.size()
-            counts = [int(received.shape[0]) // members] * members
+        horovod_set = self._set(process_set)
+        if splits is None:  # equal parts: Horovod returns the received rows alone
+            return self._from_tensor(self._hvd.alltoall(tensor, name=name, process_set=horovod_set), as_numpy), None
+        sent = self._to_tensor(np.asarray(splits, dtype=np.int32), "alltoall")[0]
+        received, counts = self._hvd.alltoall(tensor, splits=sent, name=name, process_set=horovod_set)
         return self._from_tensor(received, as_numpy), [int(c) for c in np.asarray(counts).reshape(-1)]
 
     def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, name: Optional[str] = None) -> Any:
