@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +14,9 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
+
+import psutil
 
 from hvdp.bench.plan import Contender, Group, Settings
 from hvdp.bench.stats import median
@@ -26,6 +29,10 @@ THREAD_VARS = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THRE
 
 #: Seconds one contender's job may take before the bench gives up on it.
 JOB_TIMEOUT_S = 600
+#: The same for a ``--smoke`` job, which takes 5 to 20 s: a job that hangs costs minutes, not ten.
+SMOKE_JOB_TIMEOUT_S = 180
+#: Seconds a job past its time gets to print its Python stacks (faulthandler, on SIGABRT) before SIGKILL.
+STACKS_GRACE_S = 5
 #: Jobs a ``--smoke`` run keeps going at once: its figures mean nothing (3 steps), and most of a job is its
 #: processes importing torch or TensorFlow, so two overlap their start-ups and waits.
 SMOKE_JOBS_AT_ONCE = 2
@@ -79,7 +86,7 @@ def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str
                   "--budget", str(settings.breakdown_budget), "--out", out]
     worker = [contender.task, *worker]
     python = [sys.executable, "-m", "hvdp.bench.worker"]
-    env = {**base, **knobs, "PYTHONUNBUFFERED": "1"}
+    env = {**base, **knobs, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     if contender.impl == "hvdp":
         return [hvdp_argv + worker], env, []
     if contender.impl in ("horovod", "mpi4py"):
@@ -88,9 +95,10 @@ def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str
         argv = [launch.horovodrun_path(), "-np", str(contender.np), f"--{contender.controller}", *python, *worker]
         return [argv], env, []
     if contender.impl in ("ddp", "torchdist"):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(contender.np),
-                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "hvdp.bench.worker",
-                *worker]
+        # --standalone: torchrun binds its store on a free port itself; a port chosen here and released could
+        # be taken by another job's process in between (a smoke run starts two jobs at a time).
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                str(contender.np), "-m", "hvdp.bench.worker", *worker]
         return [argv], env, []
     if contender.impl == "mwms":
         ports = [_free_port() for _ in range(contender.np)]
@@ -108,29 +116,64 @@ def run_contender(contender: Contender, settings: Settings, workdir: Path, envir
     out = workdir / f"result-{name}.json"
     argvs, env, per = job(contender, settings, str(out), environ, cpu_count)
     log = workdir / f"job-{name}.log"
+    limit = SMOKE_JOB_TIMEOUT_S if settings.mode == "smoke" else JOB_TIMEOUT_S
     with open(log, "w") as handle:
         procs = [subprocess.Popen(argv, env={**env, **(per[i] if per else {})}, stdout=handle,
                                   stderr=subprocess.STDOUT, start_new_session=True)
                  for i, argv in enumerate(argvs)]
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        codes = []
-        for proc in procs:
-            try:
-                codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(-1)
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+        codes = wait_all(procs, limit)
+    if any(code is None for code in codes):
+        raise BenchError(f"{contender.label}: the job was still running after {limit} s, so it was stopped "
+                         f"(its processes' Python stacks are at the end of its output). "
+                         f"Command: {' '.join(argvs[0])}\nLast output:\n{_tail(log)}")
     if any(codes) or not out.exists():
-        tail = log.read_text(errors="replace")[-3000:]
         raise BenchError(f"{contender.label}: the job exited with {codes} and wrote no result. "
-                         f"Command: {' '.join(argvs[0])}\nLast output:\n{tail}")
+                         f"Command: {' '.join(argvs[0])}\nLast output:\n{_tail(log)}")
     record: dict = json.loads(out.read_text())
     out.unlink()
     log.unlink()
     return record
+
+
+def wait_all(procs: List["subprocess.Popen[bytes]"], limit: float) -> List[Optional[int]]:
+    """Each process's exit code, or None for one still running after ``limit`` seconds: that one and every
+    process below it (a launcher's workers may have sessions of their own) are sent SIGABRT, so Python
+    processes run with PYTHONFAULTHANDLER print their stacks, then SIGKILL."""
+    deadline = time.monotonic() + limit
+    codes: List[Optional[int]] = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    late = [proc for proc in procs if proc.poll() is None]
+    tree = [p for proc in late for p in _tree(proc.pid)]
+    _send(tree, signal.SIGABRT)
+    psutil.wait_procs(tree, timeout=STACKS_GRACE_S)
+    _send(tree, signal.SIGKILL)
+    for proc in late:
+        proc.wait()
+    return codes
+
+
+def _tree(pid: int) -> List["psutil.Process"]:
+    try:
+        top = psutil.Process(pid)
+        return [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _send(processes: List["psutil.Process"], sig: int) -> None:
+    for process in processes:
+        try:
+            process.send_signal(sig)
+        except psutil.Error:  # it has gone
+            pass
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:]
 
 
 def run_groups(groups: List[Group], settings: Settings, environ: Mapping[str, str], cpu_count: int,

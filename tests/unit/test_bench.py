@@ -141,12 +141,45 @@ def test_job_commands_use_hvdp_launcher_and_identical_knobs(monkeypatch):
     assert env_plain["OMP_NUM_THREADS"] == env_hv["OMP_NUM_THREADS"] == "1"
     assert not any(k.startswith("HOROVOD_") for k in env_plain)
     ddp, _, _ = bench.job(Contender("d", "ddp"), settings, "/o.json", environ, 2)
-    assert ddp[0][1:3] == ["-m", "torch.distributed.run"]
+    assert ddp[0][1:4] == ["-m", "torch.distributed.run", "--standalone"]  # torchrun binds its own free port
+    assert "--master_port" not in ddp[0]
     mw, env_mw, per = bench.job(Contender("m", "mwms", "tensorflow"), settings, "/o.json", environ, 2)
     assert len(mw) == 2 and [json.loads(p["TF_CONFIG"])["task"]["index"] for p in per] == [0, 1]
     assert env_mw["KERAS_BACKEND"] == "tensorflow"
     one, env_one, _ = bench.job(Contender("1", "hvdp", np=1, knobs="one-thread"), settings, "/o.json", environ, 2)
     assert env_one["OMP_NUM_THREADS"] == "1" and one[0][2] == "1"
+
+
+def test_a_job_past_its_time_prints_its_stacks_and_is_killed_with_the_processes_below_it(tmp_path):
+    """wait_all: a finished job's code; for one still running, None, and it and its child (in a session of
+    its own, as torchrun's workers are) print their Python stacks and are gone."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from hvdp.bench import runner
+
+    parent = ("import subprocess, sys, time\n"
+              "subprocess.Popen([sys.executable, '-c', 'import time\\ndef child_waits():\\n    time.sleep(600)\\n"
+              "child_waits()'], start_new_session=True)\n"
+              "def parent_waits():\n    time.sleep(600)\nparent_waits()\n")
+    log = tmp_path / "log"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONFAULTHANDLER": "1"}
+    with open(log, "w") as out:
+        quick = subprocess.Popen([sys.executable, "-c", "pass"], stdout=out, stderr=subprocess.STDOUT, env=env)
+        slow = subprocess.Popen([sys.executable, "-c", parent], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        time.sleep(1.5)  # the child has started
+        child = psutil.Process(slow.pid).children()[0]
+        start = time.monotonic()
+        codes = runner.wait_all([quick, slow], limit=0.5)
+    assert codes == [0, None]
+    assert time.monotonic() - start < runner.STACKS_GRACE_S + 3
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    text = log.read_text()
+    assert "parent_waits" in text and "child_waits" in text, text
 
 
 def _fake_results():
