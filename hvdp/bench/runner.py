@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -16,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-import psutil
+import psutil  # type: ignore[import-untyped]
 
 from hvdp.bench.plan import Contender, Group, Settings
 from hvdp.bench.stats import median
