@@ -37,7 +37,8 @@ from hvdp.collectives import (
     broadcast_state,
     reducescatter,
 )
-from hvdp.data import shard_indices
+from hvdp.data import DistributedSampler, shard_dataset, shard_indices
+from hvdp.data import world as _world
 from hvdp.errors import (
     BuildError,
     CheckpointError,
@@ -55,13 +56,14 @@ from hvdp.process_sets import ProcessSet
 __version__ = "0.1.0"
 
 __all__ = [
-    "BuildError", "CheckpointError", "DistributedOptimizer", "FrameworkError", "HvdpError", "LaunchError",
+    "BuildError", "CheckpointError", "DistributedOptimizer", "DistributedSampler", "FrameworkError", "HvdpError",
+    "LaunchError",
     "NotInitializedError", "DistributedGradientTape", "ProcessSet", "ProcessSetError", "ReplicaMismatchError",
     "SyncBatchNorm", "TensorMismatchError", "__version__", "add_process_set", "convert_sync_batchnorm",
     "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_object",
     "broadcast_state", "check_consistency", "load_checkpoint", "save_checkpoint", "cross_rank", "cross_size",
     "elastic", "framework", "init", "is_initialized", "join", "keras", "local_rank", "local_size",
-    "my_process_set", "rank", "profiler", "reducescatter", "shard", "shutdown", "size",
+    "my_process_set", "rank", "profiler", "reducescatter", "shard", "shard_dataset", "shutdown", "size",
 ]
 
 
@@ -376,11 +378,6 @@ def shard(
         >>> for epoch in range(3):                      # doctest: +SKIP
         ...     idx = hvdp.shard(len(x), seed=42, epoch=epoch)
     """
-    backend = _runtime.current("shard")
-    if process_set is None:
-        rank_, size_ = backend.rank(), backend.size()
-    else:
-        _process_sets.handle(process_set, "shard")
-        rank_, size_ = process_set.rank(), process_set.size()
+    rank_, size_ = _world(process_set, "shard")
     return shard_indices(n_examples, rank_, size_, shuffle=shuffle, seed=seed,
                          epoch=epoch, drop_remainder=drop_remainder)

@@ -1,11 +1,16 @@
-"""Data sharding: which examples each rank uses in each epoch."""
+"""Data sharding: which examples each rank uses in each epoch, as indices (:func:`shard_indices`), a
+``DataLoader`` sampler (:class:`DistributedSampler`) or a sharded ``tf.data`` pipeline (:func:`shard_dataset`)."""
 
 from __future__ import annotations
 
 import numbers
-from typing import List
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
+
+from hvdp import _runtime
+from hvdp import process_sets as _process_sets
+from hvdp.collectives import allgather_object
 
 
 def shard_indices(n_examples: int, rank: int, size: int, *, shuffle: bool = True, seed: int = 0,
@@ -69,3 +74,184 @@ def plan_batches(remaining: np.ndarray, batch_size: int, size: int) -> List[np.n
     if len(batches) > 1 and len(batches[-1]) < size:
         batches[-2:] = [np.concatenate(batches[-2:])]
     return batches
+
+
+def world(process_set: Optional[_process_sets.ProcessSet], caller: str) -> Tuple[int, int]:
+    """(rank, size) in the job, or in ``process_set``: read at each call, so a resized elastic job gets the new."""
+    backend = _runtime.current(caller)
+    if process_set is None:
+        return backend.rank(), backend.size()
+    _process_sets.handle(process_set, caller)
+    return process_set.rank(), process_set.size()
+
+
+def _count(dataset: Any, caller: str) -> int:
+    if isinstance(dataset, numbers.Integral) and not isinstance(dataset, bool):
+        return int(dataset)
+    try:
+        return len(dataset)
+    except TypeError:
+        raise TypeError(f"hvdp.{caller}: {type(dataset).__name__} has no len(), so the examples cannot be dealt. "
+                        f"Give a map-style dataset (one with __len__ and __getitem__) or the number of examples; "
+                        f"for an iterable dataset, shard inside it by hvdp.rank() and hvdp.size().") from None
+
+
+class DistributedSampler:
+    """The example indices this rank takes each epoch, as a sampler: ``DataLoader(ds, sampler=...)``.
+
+    DDP's ``torch.utils.data.DistributedSampler`` under hvdp: the ranks (or a process set's members)
+    deal one order of the examples, the same on every rank (from ``seed`` and the epoch given to
+    :meth:`set_epoch`), and each takes every ``size``-th index from its own offset
+    (:func:`shard_indices`). Every rank gets ``len(sampler)`` indices, so all take the same number of
+    steps: without ``drop_last`` the shards are completed with indices from the start of the order
+    (:attr:`repeated` of them, at most size - 1); with it, the last ``n % size`` examples of the
+    order are left out this epoch (:attr:`left_out`). The ranks and the size are read each time an
+    epoch starts, so after an elastic job changes size the next epoch is dealt to the workers present
+    (to resume in the middle of an epoch, use :class:`hvdp.elastic.Sampler`).
+
+    It works for any framework: iterate it for the indices.
+
+    Args:
+        dataset: a map-style dataset (anything with ``len()``), or the number of examples.
+        shuffle: a new order every epoch; False keeps 0, 1, 2, ... (DDP's order too).
+        seed: the seed of the order; the same on every rank.
+        drop_last: leave the remainder out instead of repeating examples.
+        process_set: deal among a process set's members only.
+
+    Example:
+        >>> sampler = hvdp.DistributedSampler(dataset, seed=42)        # doctest: +SKIP
+        >>> loader = DataLoader(dataset, batch_size=32, sampler=sampler)  # doctest: +SKIP
+        >>> for epoch in range(epochs):                                # doctest: +SKIP
+        ...     sampler.set_epoch(epoch)
+        ...     for x, y in loader:
+        ...         ...
+    """
+
+    def __init__(self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 process_set: Optional[_process_sets.ProcessSet] = None) -> None:
+        self.n_examples = _count(dataset, "DistributedSampler")
+        if self.n_examples < 1:
+            raise ValueError(f"hvdp.DistributedSampler: {self.n_examples} examples; the dataset must have at least "
+                             f"one.")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"hvdp.DistributedSampler: seed={seed!r}; give a whole number >= 0, the same on "
+                             f"every rank.")
+        self.shuffle: bool = bool(shuffle)
+        self.seed: int = int(seed)
+        self.drop_last: bool = bool(drop_last)
+        self.process_set: Optional[_process_sets.ProcessSet] = process_set
+        self.epoch: int = 0
+        world(process_set, "DistributedSampler")  # initialized, and the set usable from this rank
+
+    def set_epoch(self, epoch: int) -> None:
+        """Deal ``epoch``'s order from the next iteration on (call it before each epoch, as with DDP's)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
+            raise ValueError(f"hvdp.DistributedSampler.set_epoch({epoch!r}): give the epoch, a whole number >= 0.")
+        self.epoch = int(epoch)
+
+    def _size(self) -> int:
+        return world(self.process_set, "DistributedSampler")[1]
+
+    def indices(self) -> np.ndarray:
+        """This rank's indices for the current epoch."""
+        rank, size = world(self.process_set, "DistributedSampler")
+        return shard_indices(self.n_examples, rank, size, shuffle=self.shuffle, seed=self.seed,
+                             epoch=self.epoch, drop_remainder=self.drop_last)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices().tolist())
+
+    def __len__(self) -> int:
+        size = self._size()
+        return self.n_examples // size if self.drop_last else -(-self.n_examples // size)
+
+    @property
+    def repeated(self) -> int:
+        """Examples dealt twice each epoch to make the shards equal (0 with ``drop_last``)."""
+        return 0 if self.drop_last else len(self) * self._size() - self.n_examples
+
+    @property
+    def left_out(self) -> int:
+        """Examples left out each epoch (only with ``drop_last``)."""
+        return self.n_examples - len(self) * self._size() if self.drop_last else 0
+
+
+def shard_dataset(dataset: Any, *, drop_remainder: bool = False,
+                  process_set: Optional[_process_sets.ProcessSet] = None) -> Any:
+    """This rank's share of a ``tf.data.Dataset``'s examples, the same number on every rank.
+
+    The ranks take turns through the examples as the pipeline produces them: rank ``r`` of ``n`` takes
+    the r-th of every n consecutive examples, so the shards together cover the data once (repeated
+    pipelines included). A pipeline that is already batched is unbatched, sharded, and batched
+    again with its own batch size (per rank, as hvdp's batch sizes are), so ``shard_dataset`` may come
+    before or after ``.batch``. To keep the counts equal, the last ``k = total % n`` examples are
+    completed with the first ``n - k`` of the pipeline (repeated), or left out with
+    ``drop_remainder=True``.
+
+    Every rank must call it (as a collective): the ranks compare the seeds of the pipeline's shuffles
+    (one allgather). A shuffle before the sharding must give every rank one order, or their shards
+    would overlap: one without a seed is refused, and so is one whose seeds differ between the ranks
+    (TensorFlow combines a shuffle's seed with the global seed, which scripts often set by rank).
+    Give the shuffle a seed and every rank the same global seed, or shuffle after.
+
+    Example:
+        >>> ds = hvdp.shard_dataset(tf.data.Dataset.from_tensor_slices((x, y)))  # doctest: +SKIP
+        >>> ds = ds.shuffle(1024).batch(32).repeat()                            # doctest: +SKIP
+    """
+    import tensorflow as tf
+
+    rank, size = world(process_set, "shard_dataset")
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(f"hvdp.shard_dataset takes a tf.data.Dataset, got {type(dataset).__name__}. For "
+                        f"indices or a DataLoader use hvdp.shard or hvdp.DistributedSampler.")
+    batch, seeds = _stages(dataset)
+    _check_shuffles(allgather_object(seeds, process_set=process_set))
+    examples = dataset.unbatch() if batch is not None else dataset
+    if not drop_remainder:  # the tail's group completed with the first n-1 examples (left out when whole)
+        examples = examples.concatenate(examples.take(size - 1))
+
+    def pick(*parts: Any) -> Any:
+        picked = tf.nest.map_structure(lambda t: t[rank], parts)
+        return picked[0] if len(parts) == 1 else picked
+
+    mine = examples.batch(size, drop_remainder=True).map(pick)
+    if batch is not None:
+        mine = mine.batch(*batch).prefetch(tf.data.AUTOTUNE)
+    return mine
+
+
+def _stages(dataset: Any) -> Tuple[Optional[Tuple[int, bool]], List[Tuple[int, int]]]:
+    """The (batch size, drop remainder) of the pipeline's last batching (None if it has none), and the seeds of
+    its shuffles as TensorFlow resolved them (the op's seed with the global one); refuses a padded batch."""
+    batch = None
+    seeds = []
+    stage = dataset
+    while stage is not None:
+        kind = type(stage).__name__
+        if kind == "_PaddedBatchDataset":
+            raise ValueError("hvdp.shard_dataset: the pipeline has a padded_batch, which cannot be batched again "
+                             "after sharding. Call hvdp.shard_dataset before .padded_batch(...).")
+        if kind in ("_BatchDataset", "_ParallelBatchDataset") and batch is None:
+            batch = (int(stage._batch_size), bool(stage._drop_remainder))
+        if kind == "_ShuffleDataset":
+            seeds.append((int(stage._seed), int(stage._seed2)))
+        stage = getattr(stage, "_input_dataset", None)
+    return batch, seeds
+
+
+def _check_shuffles(gathered: List[Any]) -> None:
+    """Every rank shuffles in one order, or all refuse alike (each rank decides from every rank's seeds)."""
+    every = [[(int(a), int(b)) for a, b in seeds] for seeds in gathered]
+    if any((0, 0) in seeds for seeds in every):
+        raise ValueError("hvdp.shard_dataset: the pipeline shuffles without a seed before it is sharded, so "
+                         "every rank would shuffle in its own order and their shards would overlap. Give the "
+                         "shuffle a seed, the same on every rank (.shuffle(n, seed=42)), or shuffle after "
+                         "hvdp.shard_dataset.")
+    if any(seeds != every[0] for seeds in every):
+        differ = next(r for r, seeds in enumerate(every) if seeds != every[0])
+        raise ValueError(f"hvdp.shard_dataset: the pipeline's shuffle seeds are {every[0]} on rank 0 but "
+                         f"{every[differ]} on rank {differ}: TensorFlow combines a shuffle's seed with the global "
+                         f"seed (tf.random.set_seed, keras.utils.set_random_seed), which differs between the ranks "
+                         f"here, so they would shuffle in different orders and their shards would overlap. Set the "
+                         f"same global seed on every rank before building the pipeline, or shuffle after "
+                         f"hvdp.shard_dataset.")

@@ -38,6 +38,8 @@ JOBS: Dict[str, List[str]] = {
     "torch_training": ["torch"],     # a torch model, hvdp's DistributedOptimizer, a loss and batches,
                                      # rank 0's state broadcast
     "keras_model": ["tensorflow"],   # a Keras 3 model (different weights per rank), data, not compiled
+    "torch_data": ["torch"],         # torch_model's data (tensors x, y; epochs), no model
+    "tf_data": ["tensorflow"],       # keras_model's data (NumPy x, y; tf), no model
     "keras_compiled": ["tensorflow"],  # ... compiled with hvdp's DistributedOptimizer
     "keras_training": ["tensorflow"],  # ... and rank 0's state broadcast
     "training": ["torch", "tensorflow"],  # torch_training or keras_training, by the job's framework
@@ -213,6 +215,28 @@ def keras_model():
     return _enter(_keras_model)
 
 
+def _without_model(names: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in names.items() if k not in ("model", "optimizer")}
+
+
+def _torch_data(rank: int) -> Dict[str, Any]:
+    return _without_model(_torch_model(rank))
+
+
+def _tf_data(rank: int) -> Dict[str, Any]:
+    return _without_model(_keras_model(rank))
+
+
+@pytest.fixture
+def torch_data():
+    return _enter(_torch_data)
+
+
+@pytest.fixture
+def tf_data():
+    return _enter(_tf_data)
+
+
 @pytest.fixture
 def torch_job():
     return _enter(_job)
@@ -310,6 +334,12 @@ def _elastic_state(names: Dict[str, Any]) -> Dict[str, Any]:
     return {"state": hvdp.elastic.State(names["model"], names["optimizer"], epoch=0), "set_lr": lambda lr: None}
 
 
+def _loader_names(names: Dict[str, Any]) -> Dict[str, Any]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    return {"DataLoader": DataLoader, "dataset": TensorDataset(names["x"], names["y"])}
+
+
 #: hvdp docstrings whose examples are marked ``+SKIP`` (the one-process doctest run,
 #: test_docstrings.py, cannot start a job): doctest name -> (module, scene, more names).
 #: Each runs here with the skips lifted, in the folder shared by all of them (so the
@@ -335,6 +365,8 @@ DOCSTRINGS: Dict[str, tuple] = {
     "hvdp.save_checkpoint": ("hvdp", "torch_training", lambda n: {"step": 5}),
     "hvdp.load_checkpoint": ("hvdp", "torch_training", None),  # the file save_checkpoint's example wrote
     "hvdp.shard": ("hvdp", "torch_job", lambda n: {"x": np.zeros((10, 2))}),
+    "hvdp.data.DistributedSampler": ("hvdp.data", "torch_data", _loader_names),
+    "hvdp.data.shard_dataset": ("hvdp.data", "tf_data", None),
     "hvdp.joining.join": ("hvdp.joining", "torch_training", lambda n: {
         "opt": n["optimizer"],
         "my_uneven_batches": [n["load"](*b) for b in n["batches"][:len(n["batches"]) - hvdp.rank()]]}),
@@ -352,8 +384,8 @@ DOCSTRINGS: Dict[str, tuple] = {
     "hvdp.profiler.phase": ("hvdp.profiler", "torch_training", lambda n: {"batches": iter(n["batches"])}),
     "hvdp.profiler.timed": ("hvdp.profiler", "torch_training", None),
 }
-_BUILDERS = {"torch_model": _torch_model, "torch_job": _job, "torch_training": _torch_training,
-             "keras_compiled": _keras_compiled, "keras_training": _keras_training}
+_BUILDERS = {"torch_model": _torch_model, "torch_data": _torch_data, "tf_data": _tf_data, "torch_job": _job,
+             "torch_training": _torch_training, "keras_compiled": _keras_compiled, "keras_training": _keras_training}
 
 
 class _AnyOutputWhenNoneShown(doctest.OutputChecker):

@@ -6,6 +6,7 @@ rank reports what it saw; the assertions compare the ranks' reports.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from harness import max_abs_diff, run_worker
 
@@ -93,6 +94,88 @@ def check_scatter(ranks):
         assert "sends 2 rows, but the value has 3" in refused["splits_sum"]
         assert "has 1 counts for 2 ranks" in refused["splits_count"]
         assert got["after"] == 2
+
+
+N_EXAMPLES = 11  # the workers' _data.N: one left over on 2 ranks
+
+
+def dealt(order, size, drop):
+    """The reference: rank r's share of ``order`` dealt in turn, completed from its start or cut to equal."""
+    order = list(order)
+    whole = len(order) // size * size if drop else -(-len(order) // size) * size
+    padded = (order * 2)[:whole]
+    return [padded[r::size] for r in range(size)]
+
+
+def check_shares(shares, n, drop, copies=1):
+    """Equal counts; every example ``copies`` times over the ranks but for at most size - 1 repeated or left out."""
+    size = len(shares)
+    assert len({len(s) for s in shares}) == 1, [len(s) for s in shares]
+    counts = np.bincount(np.concatenate(shares), minlength=n)
+    if drop:
+        assert set(counts) <= {copies - 1, copies} and (counts == copies - 1).sum() == n * copies % size, counts
+    else:
+        assert set(counts) <= {copies, copies + 1} and (counts == copies + 1).sum() == -(n * copies) % size, counts
+
+
+def check_sampler(ranks):
+    """hvdp.DistributedSampler on every rank: equal shares that cover the epoch, one order per epoch."""
+    got = [r["data"]["sampler"] for r in ranks]
+    for drop in (False, True):
+        key = f"drop_last_{drop}"
+        for epoch in (0, 1):
+            check_shares([g[key]["epochs"][epoch] for g in got], N_EXAMPLES, drop)
+        assert got[0][key]["epochs"][0] != got[0][key]["epochs"][1], "set_epoch changed nothing"
+        assert [(g[key]["len"], g[key]["repeated"], g[key]["left_out"]) for g in got] == \
+            [(6, 1, 0) if not drop else (5, 0, 1)] * 2
+    assert [g["in_order"] for g in got] == dealt(range(N_EXAMPLES), 2, False)
+    assert [g["in_order_drop_last"] for g in got] == dealt(range(N_EXAMPLES), 2, True)
+    for g in got:
+        assert g["refusals"]["no_len"].startswith("TypeError: hvdp.DistributedSampler: range_iterator has no len()")
+        assert g["refusals"]["seed"].startswith("ValueError: hvdp.DistributedSampler: seed=-1")
+        assert g["refusals"]["empty"].startswith("ValueError: hvdp.DistributedSampler: 0 examples")
+        assert g["refusals"]["epoch"].startswith("ValueError: hvdp.DistributedSampler.set_epoch('1')")
+
+
+def test_torch_distributed_sampler_in_a_dataloader_deals_as_ddp_does(torch_job):
+    check_sampler(torch_job.ranks)
+    loaders = [r["data"]["loader"] for r in torch_job.ranks]
+    for epoch in (0, 1):
+        check_shares([g["epochs"][epoch]["ids"] for g in loaders], N_EXAMPLES, drop=False)
+        assert all(g["epochs"][epoch]["rows_match_ids"] and g["epochs"][epoch]["batches"] == 3 for g in loaders)
+    assert [g["epochs"][1]["ids"] for g in loaders] == [g["sampler_indices"][0] for g in loaders]
+    # in order, hvdp's shares are DDP's torch.utils.data.DistributedSampler's, with and without drop_last
+    got = [r["data"]["sampler"] for r in torch_job.ranks]
+    assert [g["in_order"] for g in got] == [g["ddp_in_order"]["drop_last_False"] for g in loaders]
+    assert [g["in_order_drop_last"] for g in got] == [g["ddp_in_order"]["drop_last_True"] for g in loaders]
+    assert {g["loader_len"] for g in loaders} == {3}
+
+
+def test_tensorflow_shard_dataset_gives_equal_shares_whatever_the_pipeline_order(tf_job):
+    check_sampler(tf_job.ranks)
+    got = [r["data"]["dataset"] for r in tf_job.ranks]
+    order = got[0]["order"]
+    assert all(g["order"] == order for g in got) and sorted(order) == list(range(N_EXAMPLES))
+    assert [g["range"] for g in got] == dealt(range(N_EXAMPLES), 2, False)
+    assert [g["range_drop"] for g in got] == dealt(range(N_EXAMPLES), 2, True)
+    assert [g["pairs_ids"] for g in got] == dealt(range(N_EXAMPLES), 2, False)
+    assert all(g["pairs_rows_match"] for g in got)
+    assert [g["shuffled"] for g in got] == dealt(order, 2, False)
+    flat = [[v for b in g["before_batch"] for v in b] for g in got]
+    assert flat == dealt(order, 2, False) and [len(b) for b in got[0]["before_batch"]] == [2, 2, 2]
+    # batched (and repeated) before the sharding: unbatched, dealt, batched again at its batch size
+    flat = [[v for b in g["after_batch_repeat"] for v in b] for g in got]
+    assert flat == dealt(order * 2, 2, False)
+    check_shares(flat, N_EXAMPLES, drop=False, copies=2)
+    assert [[len(b) for b in g["after_batch_repeat"]] for g in got] == [[2, 2, 2, 2, 2, 1]] * 2
+    assert [g["after_batch_drop"] for g in got] == [[s[:3]] for s in dealt(order[:9], 2, False)]
+    for g in got:
+        assert g["refusals"]["unseeded"].startswith("ValueError: hvdp.shard_dataset: the pipeline shuffles without")
+        assert "seed=42" in g["refusals"]["unseeded"]
+        assert g["refusals"]["rank_seeds"].startswith("ValueError: hvdp.shard_dataset: the pipeline's shuffle seeds")
+        assert "on rank 1: TensorFlow combines a shuffle's seed with the global seed" in g["refusals"]["rank_seeds"]
+        assert g["refusals"]["padded"].startswith("ValueError: hvdp.shard_dataset: the pipeline has a padded_batch")
+        assert g["refusals"]["not_a_dataset"].startswith("TypeError: hvdp.shard_dataset takes a tf.data.Dataset")
 
 
 def test_torch_reducescatter_and_alltoall_match_numpy(torch_job):

@@ -10,6 +10,7 @@ import torch
 import hvdp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import _data
 import _elementwise
 import _report
 import _scatter
@@ -76,6 +77,7 @@ def main() -> None:
     record["allreduce_numpy"] = hvdp.allreduce(np.full(3, rank, dtype=np.float32)).tolist()
     record["elementwise"] = _elementwise.check(torch.from_numpy, lambda t: t.numpy())
     record["scatter"] = _scatter.check(torch.from_numpy, lambda t: t.numpy())
+    record["data"] = {"sampler": _data.sampler(), "loader": _data.torch_loader()}
     record["elementwise_refusals"] = {
         "optimizer": refusal(lambda: hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), op="max")),
         "requires_grad": refusal(lambda: hvdp.allreduce(torch.ones(2, requires_grad=True), op="min")),
