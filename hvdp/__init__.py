@@ -50,20 +50,22 @@ from hvdp.errors import (
     ReplicaMismatchError,
     TensorMismatchError,
 )
+from hvdp.grouped import grouped_allgather, grouped_allreduce, grouped_reducescatter
 from hvdp.joining import join
-from hvdp.process_sets import ProcessSet
+from hvdp.process_sets import ProcessSet, remove_process_set
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BuildError", "CheckpointError", "DistributedOptimizer", "DistributedSampler", "FrameworkError", "HvdpError",
-    "LaunchError",
-    "NotInitializedError", "DistributedGradientTape", "ProcessSet", "ProcessSetError", "ReplicaMismatchError",
-    "SyncBatchNorm", "TensorMismatchError", "__version__", "add_process_set", "convert_sync_batchnorm",
-    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_object",
-    "broadcast_state", "check_consistency", "load_checkpoint", "save_checkpoint", "cross_rank", "cross_size",
-    "elastic", "framework", "init", "is_initialized", "join", "keras", "local_rank", "local_size",
-    "my_process_set", "rank", "profiler", "reducescatter", "shard", "shard_dataset", "shutdown", "size",
+    "LaunchError", "NotInitializedError", "DistributedGradientTape", "ProcessSet", "ProcessSetError",
+    "ReplicaMismatchError", "SyncBatchNorm", "TensorMismatchError", "__version__", "add_process_set",
+    "convert_sync_batchnorm", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "broadcast_object", "broadcast_state", "check_consistency", "load_checkpoint", "save_checkpoint",
+    "cross_rank", "cross_size", "elastic", "framework", "grouped_allgather", "grouped_allreduce",
+    "grouped_reducescatter", "init", "is_initialized", "join", "keras", "local_rank", "local_size",
+    "my_process_set", "rank", "profiler", "reducescatter", "remove_process_set", "shard", "shard_dataset",
+    "shutdown", "size",
 ]
 
 

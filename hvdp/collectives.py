@@ -32,6 +32,8 @@ def describe(value: Any) -> str:
     """
     if isinstance(value, numbers.Number):
         return type(value).__name__
+    if isinstance(value, (list, tuple)):  # a grouped collective's values
+        return "[" + ", ".join(describe(item) for item in value) + "]"
     dtype = getattr(value, "dtype", None)
     dtype_name = str(getattr(dtype, "name", None) or dtype).replace("torch.", "")
     return f"{dtype_name}{list(getattr(value, 'shape', ()))}"

@@ -199,6 +199,32 @@ def add(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     return ps
 
 
+def remove_process_set(process_set: ProcessSet) -> None:
+    """Unregister a set added with :func:`hvdp.add_process_set`; every rank calls it, with the same set.
+
+    Its collectives are refused afterwards, and its ranks may be added again (Horovod keeps a
+    bounded number of sets: a job that makes groups as it goes removes the ones it is done with).
+
+    Example:
+        >>> pair = hvdp.add_process_set([0, 1])               # doctest: +SKIP
+        >>> hvdp.remove_process_set(pair)                     # doctest: +SKIP
+    """
+    backend = _runtime.current("remove_process_set")
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"hvdp.remove_process_set takes the hvdp.ProcessSet that hvdp.add_process_set returned, "
+                        f"got {process_set!r}.")
+    if process_set._generation != _runtime.generation():
+        raise ProcessSetError(f"hvdp.remove_process_set({process_set!r}): the set is not registered with the "
+                              f"running job (never added, or removed already).")
+    if not _runtime.job().dynamic_sets:
+        raise ProcessSetError(f"hvdp.remove_process_set({process_set!r}): sets registered at start stay for the "
+                              f"whole job; to add and remove sets as it runs, initialize with "
+                              f"hvdp.init(process_sets='dynamic') and add them with hvdp.add_process_set.")
+    if process_set._handle is not None:  # a set of every rank is the whole job: nothing to remove in Horovod
+        backend.remove_process_set(process_set._handle)
+    process_set._handle, process_set._generation = None, -1
+
+
 def handle(process_set: Optional[ProcessSet], caller: str) -> Any:
     """The backend's handle for ``process_set`` (None: the whole job), after checking this rank may use it."""
     if process_set is None:

@@ -18,6 +18,7 @@ which each ``Backend`` subclasses.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
@@ -67,6 +68,9 @@ class Backend(Protocol):
 
     def add_process_set(self, ranks: List[int]) -> Any:
         """Register a process set while running; its handle, or None if one with these ranks exists."""
+
+    def remove_process_set(self, handle: Any) -> None:
+        """Unregister a process set added while running (every rank calls it)."""
 
     def shutdown(self, join: bool = True, on_joined: Optional[Callable[[], None]] = None) -> None:
         """Shut Horovod down; with ``join``, first wait until every rank is done with its collectives.
@@ -142,6 +146,10 @@ class Backend(Protocol):
                  process_set: Any) -> Tuple[Any, Optional[List[int]]]:
         """Send ``splits[r]`` rows (equal parts without splits) to each rank r; what came, and with
         ``splits`` the rows from each rank (None without)."""
+
+    def grouped(self, kind: str, values: List[Any], op: str, name: Optional[str], process_set: Any) -> List[Any]:
+        """``kind`` ("allreduce", "allgather" or "reducescatter") of every value at once, as one
+        Horovod request (one negotiation, fused); each result of its value's kind."""
 
     def broadcast(self, value: Any, root_rank: int, name: Optional[str], process_set: Any) -> Any:
         """``root_rank``'s tensor or array, on every rank."""
@@ -220,6 +228,9 @@ class HorovodJob:
             if "duplicate" in str(exc):
                 return None
             raise
+
+    def remove_process_set(self, handle: Any) -> None:
+        self._hvd.remove_process_set(handle)
 
     def shutdown(self, join: bool = True, on_joined: Optional[Callable[[], None]] = None) -> None:
         # Horovod's shutdown on one rank ends the job's collectives on every rank, so a rank
@@ -339,6 +350,29 @@ class HorovodJob:
         sent = self._to_tensor(np.asarray(splits, dtype=np.int32), "alltoall")[0]
         received, counts = self._hvd.alltoall(tensor, splits=sent, name=name, process_set=horovod_set)
         return self._from_tensor(received, as_numpy), [int(c) for c in np.asarray(counts).reshape(-1)]
+
+    def grouped(self, kind: str, values: List[Any], op: str, name: Optional[str], process_set: Any) -> List[Any]:
+        pairs = [self._to_tensor(value, f"grouped_{kind}") for value in values]
+        horovod_set = self._set(process_set)
+        call = getattr(self._hvd, f"grouped_{kind}")
+        if kind != "allgather":
+            self._check_reduced([tensor for tensor, _ in pairs], op, f"grouped_{kind}")
+        # One request per dtype: TensorFlow's grouped ops take tensors of one dtype (torch's any).
+        by_dtype: Dict[str, List[int]] = {}
+        for i, (tensor, _) in enumerate(pairs):
+            by_dtype.setdefault(str(tensor.dtype), []).append(i)
+        results: List[Any] = [None] * len(pairs)
+        for dtype, indices in by_dtype.items():
+            options = {"process_set": horovod_set} if kind == "allgather" else \
+                {"process_set": horovod_set, "op": self._op(op)}
+            if "name" in inspect.signature(call).parameters:
+                options["name"] = f"{name}.{dtype}" if name and len(by_dtype) > 1 else name
+            for i, result in zip(indices, call([pairs[i][0] for i in indices], **options)):
+                results[i] = self._from_tensor(result, pairs[i][1])
+        return results
+
+    def _check_reduced(self, tensors: List[Any], op: str, caller: str) -> None:
+        """Refuse what the framework cannot reduce with ``op`` (torch: an elementwise op with gradients)."""
 
     def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, name: Optional[str] = None) -> Any:
         # Named: Horovod names it after type(obj), which differs between ranks (None off the root) and hangs.

@@ -294,14 +294,17 @@ class Backend(HorovodJob):
                 complete(hvd.allreduce_async_(target, op=horovod_op, name=name, process_set=horovod_set))
             return out
         if _differentiable(tensor):
-            if op not in REDUCE_OPS:
-                raise ValueError(
-                    f"hvdp.allreduce(op={op!r}) of a tensor that requires grad: Horovod's allreduce has a gradient "
-                    f"for average and sum only. Reduce tensor.detach(), or run it under torch.no_grad().")
+            self._check_reduced([tensor], op, "allreduce")
             return self._from_tensor(hvd.allreduce(tensor, op=horovod_op, name=name, process_set=horovod_set),
                                      as_numpy)
         return self._from_tensor(complete(hvd.allreduce_async(tensor, op=horovod_op, name=name,
                                                                process_set=horovod_set)), as_numpy)
+
+    def _check_reduced(self, tensors: List[Any], op: str, caller: str) -> None:
+        if op not in REDUCE_OPS and any(_differentiable(tensor) for tensor in tensors):
+            raise ValueError(
+                f"hvdp.{caller}(op={op!r}) of a tensor that requires grad: Horovod's {caller} has a gradient "
+                f"for average and sum only. Reduce tensor.detach(), or run it under torch.no_grad().")
 
     def allgather(self, value: Any, name: Optional[str], process_set: Any) -> Any:
         tensor, as_numpy = self._to_tensor(value, "allgather")

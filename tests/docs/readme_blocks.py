@@ -365,6 +365,11 @@ DOCSTRINGS: Dict[str, tuple] = {
     "hvdp.save_checkpoint": ("hvdp", "torch_training", lambda n: {"step": 5}),
     "hvdp.load_checkpoint": ("hvdp", "torch_training", None),  # the file save_checkpoint's example wrote
     "hvdp.shard": ("hvdp", "torch_job", lambda n: {"x": np.zeros((10, 2))}),
+    "hvdp.grouped.grouped_allreduce": ("hvdp.grouped", "torch_job", lambda n: {"loss": n["t"], "correct": 3}),
+    "hvdp.grouped.grouped_allgather": ("hvdp.grouped", "torch_job",
+                                       lambda n: {"preds": n["t"], "labels": np.arange(2)}),
+    "hvdp.grouped.grouped_reducescatter": ("hvdp.grouped", "torch_job",
+                                           lambda n: {"w_grad": np.ones((4, 2)), "b_grad": n["t"]}),
     "hvdp.data.DistributedSampler": ("hvdp.data", "torch_data", _loader_names),
     "hvdp.data.shard_dataset": ("hvdp.data", "tf_data", None),
     "hvdp.joining.join": ("hvdp.joining", "torch_training", lambda n: {

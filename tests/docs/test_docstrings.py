@@ -30,6 +30,8 @@ NOT_RUN: Dict[str, str] = {
     "hvdp.init": "hvdp.init(comm=sub) needs an MPI job split in two; the communicator block of "
                  "docs/process-sets.md runs it under mpirun -np 4",
     "hvdp.add_process_set": _FOUR + " runs the static form",
+    "hvdp.process_sets.remove_process_set": "needs process sets added to a running 4-process job; the dynamic "
+                                            "process-set jobs of tests/parallel/test_mpi_groups.py run these calls",
     "hvdp.my_process_set": _FOUR + " runs these lines",
     "hvdp.collectives.broadcast_state": "its second line needs a process set " + _FOUR[len("needs process sets"):],
     "hvdp.process_sets.ProcessSet": _FOUR + " runs these lines",

@@ -178,6 +178,38 @@ def test_tensorflow_shard_dataset_gives_equal_shares_whatever_the_pipeline_order
         assert g["refusals"]["not_a_dataset"].startswith("TypeError: hvdp.shard_dataset takes a tf.data.Dataset")
 
 
+def check_grouped(ranks):
+    """The grouped collectives on a list of a tensor, an array and numbers, against NumPy over both ranks."""
+    for r in ranks:
+        got = r["grouped"]
+        for op in ("sum", "average", "max"):
+            part = got[f"allreduce_{op}"]
+            assert part["tensor_error"] <= 1e-5 and part["array_as_allreduce"], (op, part)
+            assert part["array_error"] <= (1e-5 if op != "average" else 0.5), (op, part)  # int64: in its dtype
+            assert part["array_kind"] == "ndarray"
+            assert part["numbers"] == pytest.approx(part["want_numbers"]), (op, part)
+            assert part["number_types"] == (["float", "float"] if op == "average" else ["float", "int"]), (op, part)
+        assert got["allgather"]["tensor"] and got["allgather"]["array"]
+        assert got["allgather"]["numbers"] == got["allgather"]["want_numbers"] == [3, 4]
+        assert got["reducescatter"]["tensor_error"] <= 1e-5 and got["reducescatter"]["array_error"] <= 1e-5
+        refused = got["refusals"]
+        assert refused["one_value"].startswith("TypeError: hvdp.grouped_allreduce takes a non-empty list")
+        assert "got float32[5]" in refused["one_value"] and "call hvdp.allreduce for one value" in refused["one_value"]
+        assert refused["empty"].startswith("TypeError: hvdp.grouped_allgather takes a non-empty list")
+        assert refused["adasum"].startswith("ValueError: hvdp.grouped_allreduce(op='adasum')")
+        assert refused["scatter_op"].startswith("ValueError: hvdp.grouped_reducescatter(op='max')")
+        assert "got float" in refused["scatter_number"]
+        assert got["after"] == 2
+
+
+def test_torch_grouped_collectives_match_numpy(torch_job):
+    check_grouped(torch_job.ranks)
+
+
+def test_tensorflow_grouped_collectives_match_numpy(tf_job):
+    check_grouped(tf_job.ranks)
+
+
 def test_torch_reducescatter_and_alltoall_match_numpy(torch_job):
     check_scatter(torch_job.ranks)
 

@@ -163,8 +163,15 @@ def test_misusing_process_sets_is_refused_with_the_fix(sets_job):
         assert "the set is already registered" in errors["add_twice"]
         if r["mode"] == "static":
             assert "initialize with hvdp.init(process_sets='dynamic')" in errors["add_without_dynamic"]
+            assert errors["remove_static"].startswith("ProcessSetError: hvdp.remove_process_set(hvdp.ProcessSet([0, 1")
+            assert "initialize with hvdp.init(process_sets='dynamic')" in errors["remove_static"]
         else:
             assert "a set with these ranks is already registered" in errors["add_existing_ranks"]
+            removed, ends = r["removed"], rank in (0, 3)
+            assert (removed["sum"], removed["sum_again"]) == ((5, 5) if ends else (None, None)), removed
+            assert "the set is not registered with the running job" in removed["use_after"]
+            assert removed["remove_twice"].startswith("ProcessSetError: hvdp.remove_process_set(hvdp.ProcessSet([0, 3]")
+            assert "never added, or removed already" in removed["remove_twice"]
         assert r["after_errors"] == 4, "the job did not survive the refused calls"
 
 

@@ -67,7 +67,7 @@ LAYERS = (
       "hvdp.doctor", "hvdp.bench", "hvdp.bench.*", "hvdp.report")),
     ("facade", "the public API and the modules that implement its calls (hvdp.keras: the Keras callbacks)",
      ("hvdp", "hvdp.keras", "hvdp._keras_callbacks", "hvdp.validate", "hvdp.collectives", "hvdp.process_sets",
-      "hvdp.communicators", "hvdp.joining", "hvdp.elastic", "hvdp.checkpoint", "hvdp.data")),
+      "hvdp.communicators", "hvdp.joining", "hvdp.elastic", "hvdp.checkpoint", "hvdp.data", "hvdp.grouped")),
     ("runtime", "the job's state: the framework chosen once, its backend loaded, checks at shutdown",
      ("hvdp._runtime", "hvdp.consistency", "hvdp.failures")),
     ("frameworks", "what hvdp knows of each framework without importing it: names, pins, probes, its backend",

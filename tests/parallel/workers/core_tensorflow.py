@@ -14,6 +14,7 @@ import hvdp
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _data
 import _elementwise
+import _grouped
 import _report
 import _scatter
 from _report import refusal
@@ -89,6 +90,7 @@ def main() -> None:
     record["allreduce_number"] = hvdp.allreduce(rank + 1.0)
     record["elementwise"] = _elementwise.check(tf.constant, lambda t: t.numpy())
     record["scatter"] = _scatter.check(tf.constant, lambda t: t.numpy())
+    record["grouped"] = _grouped.check(tf.constant, lambda t: t.numpy())
     record["data"] = {"sampler": _data.sampler(), "dataset": _data.tf_dataset()}
     record["elementwise_refusals"] = {
         "optimizer": refusal(lambda: hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1), op="product")),

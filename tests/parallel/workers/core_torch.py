@@ -12,6 +12,7 @@ import hvdp
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _data
 import _elementwise
+import _grouped
 import _report
 import _scatter
 from _report import refusal
@@ -77,6 +78,7 @@ def main() -> None:
     record["allreduce_numpy"] = hvdp.allreduce(np.full(3, rank, dtype=np.float32)).tolist()
     record["elementwise"] = _elementwise.check(torch.from_numpy, lambda t: t.numpy())
     record["scatter"] = _scatter.check(torch.from_numpy, lambda t: t.numpy())
+    record["grouped"] = _grouped.check(torch.from_numpy, lambda t: t.numpy())
     record["data"] = {"sampler": _data.sampler(), "loader": _data.torch_loader()}
     record["elementwise_refusals"] = {
         "optimizer": refusal(lambda: hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), op="max")),

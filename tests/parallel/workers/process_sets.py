@@ -77,8 +77,18 @@ def main() -> None:
     }
     if mode == "static":
         record["errors"]["add_without_dynamic"] = refusal(lambda: hvdp.add_process_set([0, 3]))
+        record["errors"]["remove_static"] = refusal(lambda: hvdp.remove_process_set(a))
     else:
         record["errors"]["add_existing_ranks"] = refusal(lambda: hvdp.add_process_set([1, 0]))
+        # a set added, used, removed: then refused, and its ranks can be added again
+        ends = hvdp.add_process_set([0, 3])
+        removed = {"sum": hvdp.allreduce(rank + 1, op="sum", process_set=ends) if ends.included() else None}
+        hvdp.remove_process_set(ends)
+        removed["use_after"] = refusal(lambda: hvdp.allreduce(1.0, process_set=ends))
+        removed["remove_twice"] = refusal(lambda: hvdp.remove_process_set(ends))
+        again = hvdp.add_process_set([3, 0])
+        removed["sum_again"] = hvdp.allreduce(rank + 1, op="sum", process_set=again) if again.included() else None
+        record["removed"] = removed
     record["after_errors"] = hvdp.allreduce(1, op="sum")  # the job still works
     record["partitions"] = {}
     for name, partition in partitions.items():
