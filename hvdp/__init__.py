@@ -199,6 +199,8 @@ def DistributedOptimizer(
     process_set: Optional[ProcessSet] = None,
     check_every: Optional[int] = None,
     broadcast_buffers: bool = True,
+    sparse_as_dense: bool = False,
+    groups: Any = None,
 ) -> Any:
     """Wrap an optimizer so every step uses gradients reduced across all processes (or a process set).
 
@@ -219,6 +221,11 @@ def DistributedOptimizer(
         broadcast_buffers: torch with ``model``: before each forward in training mode
             every replica takes rank 0's buffers (BatchNorm running statistics), as
             DDP's default does; False keeps them per replica.
+        sparse_as_dense: torch: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
+            tensors by allreduce instead of gathering their rows (Horovod's option). Keras and
+            TensorFlow gradients travel dense always.
+        groups: gradients in as many requests as this number (None: Horovod's fusion decides on
+            torch, one request on Keras), or, on torch, lists of parameters reduced together.
 
     With torch, gradients are averaged when ``backward()`` returns (as under DDP), so
     clipping or AMP's ``unscale_`` between ``backward()`` and ``step()`` sees the
@@ -233,7 +240,7 @@ def DistributedOptimizer(
     backend = _runtime.current("DistributedOptimizer")
     handle = _process_sets.handle(process_set, "DistributedOptimizer")
     _validate.check_op(op, backend, process_set, caller="hvdp.DistributedOptimizer")
-    _validate.check_choice("compression", compression, COMPRESSIONS)
+    _validate.check_compression(compression, COMPRESSIONS)
     _validate.check_optimizer_options(op, backward_passes_per_step, gradient_predivide_factor)
     every = _consistency.check_every(check_every)
     wrapped = backend.distributed_optimizer(
@@ -245,6 +252,8 @@ def DistributedOptimizer(
         gradient_predivide_factor=float(gradient_predivide_factor),
         process_set=handle,
         broadcast_buffers=bool(broadcast_buffers),
+        sparse_as_dense=bool(sparse_as_dense),
+        groups=_validate.check_groups(groups),
     )
     ranks = _process_sets.members(process_set, "DistributedOptimizer")
     wrapped._hvdp_whole_job = process_set is None
@@ -323,7 +332,7 @@ def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str 
     backend = _runtime.current("DistributedGradientTape")
     handle = _process_sets.handle(process_set, "DistributedGradientTape")
     _validate.check_op(op, backend, process_set, caller="hvdp.DistributedGradientTape")
-    _validate.check_choice("compression", compression, COMPRESSIONS)
+    _validate.check_compression(compression, COMPRESSIONS)
     make = _extra(backend, "distributed_gradient_tape", "DistributedGradientTape", "TensorFlow",
                   ". Use hvdp.DistributedOptimizer instead.")
     return make(tape, op, compression, handle)

@@ -103,3 +103,27 @@ def check_optimizer_options(op: str, backward_passes_per_step: Any, gradient_pre
             f"gradient_predivide_factor={gradient_predivide_factor} only applies to "
             f"op='average' (got op={op!r}); leave it at 1.0."
         )
+
+
+def check_groups(groups: Any) -> Any:
+    """``DistributedOptimizer(groups=...)``: None, a number of requests >= 1, or non-empty lists of parameters."""
+    if groups is None:
+        return None
+    if isinstance(groups, numbers.Integral) and not isinstance(groups, bool):
+        if groups < 1:
+            raise ValueError(f"groups={groups!r}; give the number of requests to split the gradients into (>= 1), "
+                             f"or leave groups out for one request.")
+        return int(groups)
+    if isinstance(groups, (list, tuple)) and groups and all(isinstance(g, (list, tuple)) and g for g in groups):
+        return [list(g) for g in groups]
+    raise TypeError(f"groups={groups!r}; give a number of requests (groups=2) or lists of parameters that go "
+                    f"together (groups=[[w1, b1], [w2, b2]]).")
+
+
+def check_compression(compression: object, choices: tuple) -> str:
+    """``compression`` if it is one of ``choices``; bfloat16 is refused with the reason."""
+    if compression == "bf16":
+        raise ValueError("compression='bf16': Horovod 0.28.1's wire has no bfloat16 type (an allreduce of a bfloat16 "
+                         "tensor raises 'Tensor type ... is not supported' under Gloo and MPI), so gradients cannot "
+                         "travel as bfloat16. Use compression='fp16' (also 2 bytes a value), or 'none'.")
+    return check_choice("compression", compression, choices)

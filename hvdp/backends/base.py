@@ -120,8 +120,14 @@ class Backend(Protocol):
         gradient_predivide_factor: float,
         process_set: Any,
         broadcast_buffers: bool = True,
+        sparse_as_dense: bool = False,
+        groups: Any = None,
     ) -> Any:
-        """Wrap ``optimizer`` so each step reduces gradients across the processes of ``process_set``."""
+        """Wrap ``optimizer`` so each step reduces gradients across the processes of ``process_set``.
+
+        ``groups``: None (one request for all gradients), a number of requests to split them
+        into, or (torch) lists of parameters that go together.
+        """
 
     def on_step(self, optimizer: Any, callback: Callable[[Callable[[], List[Tuple[str, Any]]]], None]) -> bool:
         """Call ``callback(parameters)`` after each update of ``optimizer`` (False: this optimizer can't).

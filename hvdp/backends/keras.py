@@ -179,3 +179,24 @@ def import_state(model: Any, optimizer: Any, arrays: Dict[str, Any], optimizer_s
                               "optimizer class that saved it.")
     for variable, value in zip(optimizer.variables, optimizer_state):
         variable.assign(value)
+
+
+def in_groups(items: List[Any], groups: Optional[int]) -> List[List[Any]]:
+    """``items`` cut into ``groups`` runs in order, as even as they go (all in one without ``groups``).
+
+    Example:
+        >>> in_groups([1, 2, 3, 4, 5], 2)
+        [[1, 2, 3], [4, 5]]
+    """
+    count = max(1, min(groups or 1, len(items)))
+    cut = [-(-len(items) * i // count) for i in range(count + 1)]
+    return [items[cut[i]:cut[i + 1]] for i in range(count)]
+
+
+def keras_groups(groups: Any) -> Optional[int]:
+    """``groups`` for a Keras optimizer, whose gradients come as a list: a number of requests, or None."""
+    if isinstance(groups, (list, tuple)):
+        raise TypeError("hvdp.DistributedOptimizer(groups=[...]): lists of parameters group a torch optimizer's "
+                        "gradients; a Keras optimizer's come as one list, so give the number of requests to split "
+                        "it into (groups=2), or leave groups out (one request for all).")
+    return groups

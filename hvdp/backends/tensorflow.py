@@ -101,6 +101,8 @@ class Backend(HorovodJob):
         gradient_predivide_factor: float,
         process_set: Any,
         broadcast_buffers: bool = True,
+        sparse_as_dense: bool = False,
+        groups: Any = None,
     ) -> Any:
         if not keras_adapter.is_keras_optimizer(optimizer):
             raise TypeError(
@@ -108,11 +110,12 @@ class Backend(HorovodJob):
                 f"(keras.optimizers.Optimizer), got {type(optimizer).__module__}."
                 f"{type(optimizer).__name__}."
             )
-        reduce = self._gradient_reducer(op, compression, gradient_predivide_factor, process_set)
+        reduce = self._gradient_reducer(op, compression, gradient_predivide_factor, process_set,
+                                        keras_adapter.keras_groups(groups))
         return keras_adapter.wrap_optimizer(optimizer, reduce, backward_passes_per_step)
 
     def _gradient_reducer(self, op: str, compression: str, gradient_predivide_factor: float,
-                          process_set: Any) -> Any:
+                          process_set: Any, groups: Optional[int] = None) -> Any:
         """A function reducing a list of gradients across ranks (eagerly or in a tf.function)."""
         size = self.size() if process_set is None else int(process_set.size())
         name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
@@ -128,10 +131,10 @@ class Backend(HorovodJob):
             if name == "adasum":
                 return [hvd.allreduce(t, op=horovod_op, compression=comp, name=f"{label}.{i}", ignore_name_scope=True)
                         for i, t in enumerate(tensors)]
-            return list(hvd.grouped_allreduce(
-                tensors, op=horovod_op, compression=comp, name=label, ignore_name_scope=True,
-                prescale_factor=prescale, postscale_factor=postscale, process_set=horovod_set,
-            ))
+            return [reduced for g, group in enumerate(keras_adapter.in_groups(tensors, groups)) for reduced in
+                    hvd.grouped_allreduce(group, op=horovod_op, compression=comp, name=f"{label}.g{g}",
+                                          ignore_name_scope=True, prescale_factor=prescale,
+                                          postscale_factor=postscale, process_set=horovod_set)]
 
         return _timed_in_graph(reduce)
 

@@ -23,6 +23,7 @@ from hvdp.backends.torch_gradients import (
     complete,
     reduce_at_backward_end,
     sleeping_synchronize,
+    sparse_gradients,
 )
 
 
@@ -157,6 +158,8 @@ class Backend(HorovodJob):
         gradient_predivide_factor: float,
         process_set: Any,
         broadcast_buffers: bool = True,
+        sparse_as_dense: bool = False,
+        groups: Any = None,
     ) -> Any:
         horovod_set = self._set(process_set)
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -169,6 +172,7 @@ class Backend(HorovodJob):
                         f"let Horovod name them by position."
                     )
                 named = list(model.named_parameters())
+                sparse_gradients(model, sparse_as_dense, groups)
                 if broadcast_buffers:
                     broadcast_buffers_before_forward(model, 0, horovod_set, joining=lambda: self.joining)
             wrapped = hvd.DistributedOptimizer(
@@ -179,6 +183,8 @@ class Backend(HorovodJob):
                 op=self._op(op),
                 gradient_predivide_factor=gradient_predivide_factor,
                 process_set=horovod_set,
+                sparse_as_dense=sparse_as_dense,
+                groups=groups,
             )
             _share_state(wrapped, optimizer)
             # The wait for the gradient allreduces in synchronize() is phase "sync".
@@ -190,16 +196,17 @@ class Backend(HorovodJob):
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
             horovod_op, comp = self._op(name), self._compression(compression)
+            parts = keras_adapter.keras_groups(groups)
 
             # Named: Horovod's torch names for unnamed tensors count per process, not per set.
             def reduce(tensors: List[Any]) -> List[Any]:
                 if name == "adasum":
                     return [hvd.allreduce(t, op=horovod_op, compression=comp, name=f"hvdp.gradients.{i}")
                             for i, t in enumerate(tensors)]
-                return list(hvd.grouped_allreduce(
-                    tensors, op=horovod_op, compression=comp, name="hvdp.gradients",
-                    prescale_factor=prescale, postscale_factor=postscale, process_set=horovod_set,
-                ))
+                return [reduced for g, group in enumerate(keras_adapter.in_groups(tensors, parts)) for reduced in
+                        hvd.grouped_allreduce(group, op=horovod_op, compression=comp, name=f"hvdp.gradients.g{g}",
+                                              prescale_factor=prescale, postscale_factor=postscale,
+                                              process_set=horovod_set)]
 
             return keras_adapter.wrap_optimizer(optimizer, profiler.timed(reduce), backward_passes_per_step)
         raise TypeError(

@@ -237,3 +237,21 @@ def broadcast_buffers_before_forward(model: torch.nn.Module, root_rank: int, pro
                     offset += buffer.numel()
 
     model.register_forward_pre_hook(before_forward)
+
+
+def sparse_gradients(model: torch.nn.Module, as_dense: bool, groups: Any) -> None:
+    """With ``as_dense``, the sparse embeddings' gradients are made dense as they arrive (Horovod's own
+    sparse_as_dense misses grouped requests); grouped requests refuse sparse ones."""
+    sparse = [m for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+              and getattr(m, "sparse", False)]
+    if sparse and groups is not None and not as_dense:
+        raise ValueError("hvdp.DistributedOptimizer(groups=...): the model has an embedding with sparse=True, and "
+                         "Horovod's grouped requests take dense tensors only. Pass sparse_as_dense=True too, or "
+                         "leave groups out.")
+    def densify(param: torch.Tensor) -> None:
+        if param.grad is not None and param.grad.is_sparse:
+            param.grad = param.grad.to_dense()
+
+    if as_dense:
+        for module in sparse:  # runs as the gradient lands in .grad, before Horovod's hook reads it
+            module.weight.register_post_accumulate_grad_hook(densify)

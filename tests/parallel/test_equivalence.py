@@ -43,7 +43,7 @@ def results(job, key):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("option", ["average", "sum", "bpps2", "predivide"])
+@pytest.mark.parametrize("option", ["average", "sum", "bpps2", "predivide", "groups2"])
 def test_matches_single_process_within_rtol_1e5_atol_1e6(job, config, option):
     for result in results(job, f"{config}/{option}"):
         assert result["moved"] > 1e-2, "training did not move the parameters"
@@ -98,6 +98,14 @@ def test_bad_input_gets_clear_errors_on_every_rank(job):
         assert bad["unknown_op"]["type"] == "ValueError"
         assert "Expected one of: average, sum, adasum" in bad["unknown_op"]["message"]
         assert "Expected one of: none, fp16" in bad["unknown_compression"]["message"]
+        assert bad["bf16"]["message"].startswith("compression='bf16': Horovod 0.28.1's wire has no bfloat16 type")
+        assert "Use compression='fp16'" in bad["bf16"]["message"]
+        assert (bad["groups_zero"]["type"], bad["groups_kind"]["type"]) == ("ValueError", "TypeError")
+        assert bad["groups_zero"]["message"].startswith("groups=0; give the number of requests")
+        assert "groups=[[w1, b1], [w2, b2]]" in bad["groups_kind"]["message"]
+        if job.framework == "tensorflow":
+            assert bad["groups_lists_keras"]["type"] == "TypeError"
+            assert "a Keras optimizer's come as one list" in bad["groups_lists_keras"]["message"]
         for case, shapes in (("shape_mismatch", "rank 0: float32[3], rank 1: float32[4]"),
                              ("dtype_mismatch", "rank 0: float32[3], rank 1: float64[3]")):
             assert bad[case]["type"] == "TensorMismatchError", bad[case]
@@ -114,7 +122,10 @@ def test_bad_input_gets_clear_errors_on_every_rank(job):
 def test_torch_sparse_gradients_missing_gradients_and_sync_batch_norm(torch_job):
     job = torch_job
     for rank in job.ranks:
-        assert rank["sparse"]["close"], rank["sparse"]
+        for key in ("sparse", "sparse_as_dense", "groups_lists"):  # rows gathered, reduced dense, one group
+            assert rank[key]["close"], (key, rank[key])
+        assert rank["sparse_groups_refused"].startswith("ValueError: hvdp.DistributedOptimizer(groups=...): the model")
+        assert "Pass sparse_as_dense=True too" in rank["sparse_groups_refused"]
         assert rank["sync_batch_norm"]["params"]["close"] and rank["sync_batch_norm"]["running_stats"]["close"]
         assert rank["sync_batch_norm"]["eval"]["close"], "SyncBatchNorm in eval mode (CPU)"
         converted = rank["sync_batch_norm"]["converted"]
@@ -126,7 +137,8 @@ def test_torch_sparse_gradients_missing_gradients_and_sync_batch_norm(torch_job)
                                      "training": False, "affine_off": True}
         assert converted["forward"] == [2, 2]
         assert rank["missing_grads"]["seconds"] < 30
-    assert len({r["sparse"]["digest"] for r in job.ranks}) == 1
+    for key in ("sparse", "sparse_as_dense", "groups_lists"):
+        assert len({r[key]["digest"] for r in job.ranks}) == 1, key
     assert len({r["missing_grads"]["digest"] for r in job.ranks}) == 1
 
 

@@ -28,6 +28,7 @@ OPTIONS = {
     "fp16": {"compression": "fp16"},
     "adasum": {"op": "adasum"},
     "predivide": {"gradient_predivide_factor": 2.0},
+    "groups2": {"groups": 2},  # the gradients in two requests
     "tape": {},
 }
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -117,7 +118,7 @@ def equivalence(rank: int, size: int) -> dict:
                 except ValueError as exc:  # adasum under Gloo: the test checks the message
                     results[f"{kind}/{opt_name}/{option}"] = {"error": str(exc)}
                     continue
-                ref = ref_avg if option in ("fp16", "adasum", "predivide", "tape") else \
+                ref = ref_avg if option in ("fp16", "adasum", "predivide", "tape", "groups2") else \
                     reference_run(kind, opt_name, option, data, size)
                 if option == "average":
                     uncompressed = got
@@ -168,6 +169,10 @@ def bad_input(rank: int) -> dict:
                                                  name="grad.b"),
         "sync_batch_norm_on_tf": lambda: hvdp.SyncBatchNorm(8),
         "convert_on_tf": lambda: hvdp.convert_sync_batchnorm(keras.Sequential()),
+        "bf16": lambda: hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="bf16"),
+        "groups_zero": lambda: hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=0),
+        "groups_kind": lambda: hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1), groups="all"),
+        "groups_lists_keras": lambda: hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=[[0]]),
     }.items():
         start = time.perf_counter()
         try:

@@ -30,6 +30,7 @@ OPTIONS = {
     "fp16": {"compression": "fp16"},
     "adasum": {"op": "adasum"},
     "predivide": {"gradient_predivide_factor": 2.0},
+    "groups2": {"groups": 2},  # the gradients in two requests
 }
 
 
@@ -113,7 +114,7 @@ def equivalence(rank: int, size: int) -> dict:
                 except ValueError as exc:  # adasum under Gloo: the test checks the message
                     results[f"{kind}/{opt_name}/{option}"] = {"error": str(exc)}
                     continue
-                ref = ref_avg if option in ("fp16", "adasum", "predivide") else \
+                ref = ref_avg if option in ("fp16", "adasum", "predivide", "groups2") else \
                     reference_run(kind, opt_name, option, data, size)
                 if option == "average":
                     uncompressed = got
@@ -294,18 +295,25 @@ def sparse_and_missing(rank: int, size: int) -> dict:
     data = np.random.default_rng(11)
     steps = [(torch.from_numpy(data.integers(0, 50, size=(2 * size, 3))), torch.from_numpy(
         data.integers(0, CLASSES, size=2 * size))) for _ in range(STEPS)]
-    model = embed_model()
-    opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model)
     ref = embed_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for x, y in steps:
-        opt.zero_grad()
-        loss_of(model, x[rank::size], y[rank::size]).backward()
-        opt.step()
         ref_opt.zero_grad()
         (sum(loss_of(ref, x[r::size], y[r::size]) for r in range(size)) / size).backward()
         ref_opt.step()
-    out["sparse"] = {**compare(flat(model), flat(ref)), "digest": digest(flat(model))}
+    # the embedding's rows gathered (Horovod's default), reduced dense, and the head's two tensors in one group
+    for key, options in (("sparse", lambda m: {}), ("sparse_as_dense", lambda m: {"sparse_as_dense": True}),
+                         ("groups_lists", lambda m: {"groups": [[m[2].weight, m[2].bias]], "sparse_as_dense": True})):
+        model = embed_model()
+        opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, **options(model))
+        for x, y in steps:
+            opt.zero_grad()
+            loss_of(model, x[rank::size], y[rank::size]).backward()
+            opt.step()
+        out[key] = {**compare(flat(model), flat(ref)), "digest": digest(flat(model))}
+    sparse_groups = embed_model()
+    out["sparse_groups_refused"] = _report.refusal(lambda: hvdp.DistributedOptimizer(
+        torch.optim.SGD(sparse_groups.parameters(), lr=0.5), sparse_groups, groups=2))
 
     # A head that gets no gradient on some steps on some ranks.
     torch.manual_seed(0)
@@ -418,6 +426,9 @@ def bad_input(rank: int) -> dict:
         "dtype_mismatch": lambda: hvdp.allreduce(np.zeros(3, dtype=np.float32 if rank == 0 else np.float64),
                                                  name="grad.b"),
         "tape_on_torch": lambda: hvdp.DistributedGradientTape(None),
+        "bf16": lambda: hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), compression="bf16"),
+        "groups_zero": lambda: hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), groups=0),
+        "groups_kind": lambda: hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), groups="all"),
     }.items():
         start = time.perf_counter()
         try:
