@@ -11,7 +11,8 @@ from typing import Any
 
 from hvdp._keras_jobs import is_distributed as is_distributed  # whether an optimizer averages
 
-_CALLBACKS = ("BroadcastInitialState", "MetricAverage", "LearningRateWarmup")
+_CALLBACKS = ("BroadcastInitialState", "MetricAverage", "LearningRateWarmup", "LearningRateSchedule",
+              "ModelCheckpoint")
 
 
 def __getattr__(name: str) -> Any:

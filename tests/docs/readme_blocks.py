@@ -379,6 +379,8 @@ DOCSTRINGS: Dict[str, tuple] = {
     "hvdp._keras_callbacks.BroadcastInitialState": ("hvdp._keras_callbacks", "keras_compiled", None),
     "hvdp._keras_callbacks.LearningRateWarmup": ("hvdp._keras_callbacks", "keras_training", None),
     "hvdp._keras_callbacks.MetricAverage": ("hvdp._keras_callbacks", "keras_training", None),
+    "hvdp._keras_callbacks.LearningRateSchedule": ("hvdp._keras_callbacks", "keras_training", None),
+    "hvdp._keras_callbacks.ModelCheckpoint": ("hvdp._keras_callbacks", "keras_training", None),
     "hvdp.elastic": ("hvdp.elastic", "torch_training", lambda n: {"batches": len(n["batches"])}),
     "hvdp.elastic.State": ("hvdp.elastic", "torch_training", None),
     "hvdp.elastic.State.register_reset_callbacks": ("hvdp.elastic", "torch_training", _elastic_state),

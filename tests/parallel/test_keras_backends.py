@@ -40,6 +40,35 @@ def test_callbacks_broadcast_average_metrics_and_warm_up(job):
     assert all(b >= a for a, b in zip(lr, lr[1:])) and r0["final_lr"] == pytest.approx(0.2)
 
 
+def test_learning_rate_schedule_and_warmup_correct_momentum_and_equal_one_process(job):
+    """Warm-up over epoch 0 (0.05 -> 0.1 by batch), then 0.1 * 0.5 ** epoch: every rank sets the same rates,
+    the momentum buffers scale by new / old rate at each change (and not without the correction), and the
+    replicas equal one process with the same callbacks on the union of the batches."""
+    want = [0.05, 0.0625, 0.075, 0.0875, 0.05, 0.05, 0.05, 0.05, 0.025, 0.025, 0.025, 0.025]
+    for rank in job.ranks:
+        got = rank["schedules"]
+        assert got["lr"] == pytest.approx(want), got["lr"]
+        for seen, corrected in ((got["seen"], True), (got["seen_plain"], False)):
+            for before, after in zip(seen[1::2], seen[2::2]):  # a batch's end, the next batch's begin
+                assert (before[0], after[0]) == ("end", "begin")
+                ratio = after[1] / before[1] if corrected else 1.0
+                assert after[2] == pytest.approx(before[2] * ratio, rel=1e-5), (before, after)
+        assert got["vs_union"]["close"], got["vs_union"]
+        assert got["correction_changes"] > 1e-4, "momentum correction changed nothing"
+        refused = got["refusals"]
+        assert refused["steps"].startswith("ValueError: hvdp.keras.LearningRateWarmup: steps_per_epoch=0")
+        assert refused["end"].startswith("ValueError: hvdp.keras.LearningRateSchedule: end_epoch=2 is not after")
+        assert refused["multiplier"].startswith("TypeError: hvdp.keras.LearningRateSchedule: multiplier='half'")
+    assert len({r["schedules"]["digest"] for r in job.ranks}) == 1, "replicas differ"
+
+
+def test_model_checkpoint_saves_on_rank_0_only(job):
+    r0, r1 = (rank["schedules"] for rank in job.ranks)
+    assert (r0["saves"], r1["saves"]) == (3, 0)
+    assert r0["files"] == r1["files"] == ["ckpt-1.weights.h5", "ckpt-2.weights.h5", "ckpt-3.weights.h5"]
+    assert r0["restored_equal"] and r1["restored_equal"]  # the last file holds the trained replica
+
+
 def test_model_save_and_keras_load_model_resume_distributed_as_if_never_stopped(job):
     """Keras's resume path (model.save on rank 0, keras.models.load_model on every rank): the loaded
     optimizer still averages, and one more epoch equals an uninterrupted run (was: a plain Adam, the

@@ -18,7 +18,7 @@ def test_import_has_no_side_effects():
             "heavy = [m for m in ('torch', 'tensorflow', 'keras', 'horovod') if m in sys.modules]; "
             "print(heavy, before == dict(os.environ), len(callbacks))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] True 3"
+    assert out.stdout.strip() == "[] True 5"
 
 
 def test_explicit_choice_wins_and_env_is_used_when_alone():

@@ -89,6 +89,65 @@ def callbacks(rank: int, size: int) -> dict:
             "history": [float(v) for v in history.history["loss"]], "local_losses": local_losses}
 
 
+def schedules(rank: int, size: int) -> dict:
+    """LearningRateWarmup then LearningRateSchedule on SGD with momentum 0.9, with and without momentum
+    correction, against one process on the union of the batches; the momentum buffers read around each
+    change of rate; hvdp.keras.ModelCheckpoint writing on rank 0 only."""
+    batches_per_epoch, epochs = 4, 3
+    parts = [rank_data(300 + r, PER_RANK_BATCH * batches_per_epoch) for r in range(size)]
+    x, y = parts[rank]
+    union = [(np.concatenate([p[0][s * PER_RANK_BATCH:(s + 1) * PER_RANK_BATCH] for p in parts]),
+              np.concatenate([p[1][s * PER_RANK_BATCH:(s + 1) * PER_RANK_BATCH] for p in parts]))
+             for s in range(batches_per_epoch)]
+    folder = os.path.join(os.environ["HVDP_TEST_OUT"], "checkpoints")
+    os.makedirs(folder, exist_ok=True)
+
+    class Counted(hvdp.keras.ModelCheckpoint):
+        saves = 0
+
+        def _save_model(self, *args: Any, **kwargs: Any) -> None:
+            Counted.saves += 1
+            super()._save_model(*args, **kwargs)
+
+    def run(distributed: bool, correction: bool) -> tuple:
+        model = make_model(seed=0)
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+        model.compile(optimizer=hvdp.DistributedOptimizer(optimizer) if distributed else optimizer, loss=loss())
+        seen: list = []  # (where, learning rate, sum of |momentum buffers|)
+
+        def probe(where: str) -> Any:
+            return lambda batch, logs: seen.append((where, float(keras.ops.convert_to_numpy(
+                model.optimizer.learning_rate)), float(sum(np.abs(keras.ops.convert_to_numpy(m)).sum()
+                                                          for m in getattr(model.optimizer, "momentums", [])))))
+
+        extra = [Counted(os.path.join(folder, "ckpt-{epoch}.weights.h5"), save_weights_only=True)] \
+            if distributed and correction else []
+        data = (x, y) if distributed else (np.concatenate([u[0] for u in union]), np.concatenate([u[1] for u in union]))
+        model.fit(*data, batch_size=PER_RANK_BATCH * (1 if distributed else size), epochs=epochs, shuffle=False,
+                  verbose=0, callbacks=[
+                      hvdp.keras.LearningRateWarmup(warmup_epochs=1, momentum_correction=correction),
+                      hvdp.keras.LearningRateSchedule(start_epoch=1, multiplier=lambda epoch: 0.5 ** epoch,
+                                                      momentum_correction=correction),
+                      keras.callbacks.LambdaCallback(on_train_batch_begin=probe("begin"),
+                                                     on_train_batch_end=probe("end")), *extra])
+        return model, seen
+
+    corrected, seen = run(True, True)
+    plain, seen_plain = run(True, False)
+    reference, _ = run(False, True)
+    hvdp.barrier()
+    restored = make_model(seed=1)
+    restored.load_weights(os.path.join(folder, f"ckpt-{epochs}.weights.h5"))
+    return {"lr": [lr for where, lr, _ in seen if where == "begin"], "seen": seen, "seen_plain": seen_plain,
+            "vs_union": compare(flat(corrected), flat(reference)),
+            "correction_changes": float(np.max(np.abs(flat(corrected) - flat(plain)))),
+            "digest": digest(flat(corrected)), "saves": Counted.saves, "files": sorted(os.listdir(folder)),
+            "restored_equal": bool(np.array_equal(flat(restored), flat(corrected))),
+            "refusals": {"steps": _report.refusal(lambda: hvdp.keras.LearningRateWarmup(steps_per_epoch=0)),
+                         "end": _report.refusal(lambda: hvdp.keras.LearningRateSchedule(start_epoch=3, end_epoch=2)),
+                         "multiplier": _report.refusal(lambda: hvdp.keras.LearningRateSchedule(multiplier="half"))}}
+
+
 def save_and_resume(rank: int, size: int) -> dict:
     """model.save on rank 0, keras.models.load_model on every rank, one more epoch: as if never stopped."""
     path = os.path.join(os.environ["HVDP_TEST_OUT"], "resume.keras")
@@ -245,6 +304,7 @@ def main() -> None:
     rank, size = hvdp.rank(), hvdp.size()
     record = {"rank": rank, "framework": hvdp.framework(), "keras_backend": keras.backend.backend(),
               "fit": fit_against_union(rank, size), "callbacks": callbacks(rank, size),
+              "schedules": schedules(rank, size),
               "resume": save_and_resume(rank, size),
               "helper": helper_model_on_one_rank(rank),
               "drift": drift_in_fit(rank), "custom_loop": drift_in_custom_loop(rank),
