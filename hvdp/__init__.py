@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-import numpy as np
-
 from hvdp import _runtime, elastic, keras, profiler
 from hvdp import checkpoint as _checkpoint
 from hvdp import communicators as _communicators
@@ -37,8 +35,7 @@ from hvdp.collectives import (
     broadcast_state,
     reducescatter,
 )
-from hvdp.data import DistributedSampler, shard_dataset, shard_indices
-from hvdp.data import world as _world
+from hvdp.data import DistributedSampler, shard, shard_dataset
 from hvdp.errors import (
     BuildError,
     CheckpointError,
@@ -342,16 +339,28 @@ def DistributedGradientTape(tape: Any, *, op: str = "average", compression: str 
 _PER_REPLICA = ", whose BatchNormalization layers keep per-replica statistics."
 
 
-def SyncBatchNorm(num_features: int, **kwargs: Any) -> Any:
-    """torch only: a BatchNorm layer whose batch statistics are computed over all ranks.
+def SyncBatchNorm(num_features: Optional[int] = None, **kwargs: Any) -> Any:
+    """A batch norm layer whose batch statistics are computed over all ranks.
 
-    Takes the arguments of ``torch.nn.BatchNorm1d/2d/3d`` (``eps``, ``momentum``,
-    ``affine``, ``track_running_stats``); works on CPU and GPU.
+    torch: takes the arguments of ``torch.nn.BatchNorm1d/2d/3d`` (``num_features``, ``eps``,
+    ``momentum``, ``affine``, ``track_running_stats``); CPU and GPU. TensorFlow: a Keras layer,
+    :class:`hvdp.keras.SyncBatchNormalization`, with ``keras.layers.BatchNormalization``'s
+    arguments (the features come from its input).
 
     Example:
         >>> bn = hvdp.SyncBatchNorm(64)  # doctest: +SKIP
     """
-    make = _extra(_runtime.current("SyncBatchNorm"), "sync_batch_norm", "SyncBatchNorm", "torch", _PER_REPLICA)
+    backend = _runtime.current("SyncBatchNorm")
+    if backend.name == "tensorflow":
+        if num_features is not None:
+            raise TypeError(f"hvdp.SyncBatchNorm({num_features!r}) on TensorFlow is a Keras layer, which learns its "
+                            f"features from its input: drop num_features (axis=, momentum=, epsilon= as "
+                            f"keras.layers.BatchNormalization's).")
+        return keras.SyncBatchNormalization(**kwargs)
+    make = _extra(backend, "sync_batch_norm", "SyncBatchNorm", "torch", _PER_REPLICA)
+    if num_features is None:
+        raise TypeError("hvdp.SyncBatchNorm on torch takes num_features, as torch.nn.BatchNorm1d does "
+                        "(hvdp.SyncBatchNorm(64)).")
     return make(num_features, **kwargs)
 
 
@@ -368,27 +377,3 @@ def convert_sync_batchnorm(model: Any) -> Any:
     convert = _extra(_runtime.current("convert_sync_batchnorm"), "convert_sync_batchnorm", "convert_sync_batchnorm",
                      "torch", _PER_REPLICA)
     return convert(model)
-
-
-def shard(
-    n_examples: int,
-    *,
-    shuffle: bool = True,
-    seed: int = 0,
-    epoch: int = 0,
-    drop_remainder: bool = False,
-    process_set: Optional[ProcessSet] = None,
-) -> np.ndarray:
-    """The indices of the examples this rank should use in this epoch.
-
-    Shards cover the data, overlap only in padding, and have the same length
-    on every rank (see :func:`hvdp.data.shard_indices` for the rules). With
-    ``process_set``, the data is split among the set's members only.
-
-    Example:
-        >>> for epoch in range(3):                      # doctest: +SKIP
-        ...     idx = hvdp.shard(len(x), seed=42, epoch=epoch)
-    """
-    rank_, size_ = _world(process_set, "shard")
-    return shard_indices(n_examples, rank_, size_, shuffle=shuffle, seed=seed,
-                         epoch=epoch, drop_remainder=drop_remainder)

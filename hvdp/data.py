@@ -76,6 +76,30 @@ def plan_batches(remaining: np.ndarray, batch_size: int, size: int) -> List[np.n
     return batches
 
 
+def shard(
+    n_examples: int,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    epoch: int = 0,
+    drop_remainder: bool = False,
+    process_set: Optional[_process_sets.ProcessSet] = None,
+) -> np.ndarray:
+    """The indices of the examples this rank should use in this epoch.
+
+    Shards cover the data, overlap only in padding, and have the same length
+    on every rank (see :func:`hvdp.data.shard_indices` for the rules). With
+    ``process_set``, the data is split among the set's members only.
+
+    Example:
+        >>> for epoch in range(3):                      # doctest: +SKIP
+        ...     idx = hvdp.shard(len(x), seed=42, epoch=epoch)
+    """
+    rank_, size_ = world(process_set, "shard")
+    return shard_indices(n_examples, rank_, size_, shuffle=shuffle, seed=seed,
+                         epoch=epoch, drop_remainder=drop_remainder)
+
+
 def world(process_set: Optional[_process_sets.ProcessSet], caller: str) -> Tuple[int, int]:
     """(rank, size) in the job, or in ``process_set``: read at each call, so a resized elastic job gets the new."""
     backend = _runtime.current(caller)

@@ -13,12 +13,17 @@ from hvdp._keras_jobs import is_distributed as is_distributed  # whether an opti
 
 _CALLBACKS = ("BroadcastInitialState", "MetricAverage", "LearningRateWarmup", "LearningRateSchedule",
               "ModelCheckpoint")
+_LAYERS = ("SyncBatchNormalization",)
 
 
 def __getattr__(name: str) -> Any:
-    """The Keras callbacks, imported on first use so that importing hvdp never imports Keras."""
+    """The Keras callbacks and layers, imported on first use so that importing hvdp never imports Keras."""
     if name in _CALLBACKS:
         from hvdp import _keras_callbacks
 
         return getattr(_keras_callbacks, name)
+    if name in _LAYERS:
+        from hvdp import _keras_layers
+
+        return getattr(_keras_layers, name)
     raise AttributeError(f"module 'hvdp.keras' has no attribute {name!r}")

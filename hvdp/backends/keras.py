@@ -200,3 +200,18 @@ def keras_groups(groups: Any) -> Optional[int]:
                         "gradients; a Keras optimizer's come as one list, so give the number of requests to split "
                         "it into (groups=2), or leave groups out (one request for all).")
     return groups
+
+
+def sum_across_ranks(tensor: Any, name: str, process_set: Any = None) -> Any:
+    """The sum of a Keras backend tensor over the ranks (of Horovod's ``process_set``), with its gradient
+    (the sum of the gradients): Horovod's differentiable allreduce of the Keras backend's framework."""
+    import keras
+
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    if keras.backend.backend() == "tensorflow":
+        import horovod.tensorflow as hvd_tf
+
+        return hvd_tf.allreduce(tensor, op=hvd_tf.Sum, name=name, ignore_name_scope=True, **kwargs)
+    import horovod.torch as hvd_torch
+
+    return hvd_torch.allreduce(tensor, op=hvd_torch.Sum, name=name, **kwargs)

@@ -364,7 +364,7 @@ DOCSTRINGS: Dict[str, tuple] = {
     "hvdp.check_consistency": ("hvdp", "torch_training", None),
     "hvdp.save_checkpoint": ("hvdp", "torch_training", lambda n: {"step": 5}),
     "hvdp.load_checkpoint": ("hvdp", "torch_training", None),  # the file save_checkpoint's example wrote
-    "hvdp.shard": ("hvdp", "torch_job", lambda n: {"x": np.zeros((10, 2))}),
+    "hvdp.data.shard": ("hvdp.data", "torch_job", lambda n: {"x": np.zeros((10, 2))}),
     "hvdp.grouped.grouped_allreduce": ("hvdp.grouped", "torch_job", lambda n: {"loss": n["t"], "correct": 3}),
     "hvdp.grouped.grouped_allgather": ("hvdp.grouped", "torch_job",
                                        lambda n: {"preds": n["t"], "labels": np.arange(2)}),
@@ -381,6 +381,7 @@ DOCSTRINGS: Dict[str, tuple] = {
     "hvdp._keras_callbacks.MetricAverage": ("hvdp._keras_callbacks", "keras_training", None),
     "hvdp._keras_callbacks.LearningRateSchedule": ("hvdp._keras_callbacks", "keras_training", None),
     "hvdp._keras_callbacks.ModelCheckpoint": ("hvdp._keras_callbacks", "keras_training", None),
+    "hvdp._keras_layers.SyncBatchNormalization": ("hvdp._keras_layers", "keras_training", None),
     "hvdp.elastic": ("hvdp.elastic", "torch_training", lambda n: {"batches": len(n["batches"])}),
     "hvdp.elastic.State": ("hvdp.elastic", "torch_training", None),
     "hvdp.elastic.State.register_reset_callbacks": ("hvdp.elastic", "torch_training", _elastic_state),

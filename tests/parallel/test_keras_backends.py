@@ -62,6 +62,19 @@ def test_learning_rate_schedule_and_warmup_correct_momentum_and_equal_one_proces
     assert len({r["schedules"]["digest"] for r in job.ranks}) == 1, "replicas differ"
 
 
+def test_sync_batch_normalization_equals_one_process_on_the_union(job):
+    """hvdp.keras.SyncBatchNormalization: the batch statistics of every rank's examples, so fit equals one
+    process with keras.layers.BatchNormalization on the union (weights and moving statistics)."""
+    for rank in job.ranks:
+        got = rank["sync_batch_norm"]
+        assert got["weights"]["close"], got["weights"]
+        assert got["stats"]["close"], got["stats"]
+        assert got["moved_stats"] > 1e-2, "the moving statistics did not move"
+        assert got["facade"] == ("SyncBatchNormalization" if job.framework == "tensorflow" else None)
+        assert got["refused"].startswith("ValueError: hvdp.keras.SyncBatchNormalization synchronizes through")
+    assert len({r["sync_batch_norm"]["digest"] for r in job.ranks}) == 1, "replicas differ"
+
+
 def test_model_checkpoint_saves_on_rank_0_only(job):
     r0, r1 = (rank["schedules"] for rank in job.ranks)
     assert (r0["saves"], r1["saves"]) == (3, 0)

@@ -148,6 +148,40 @@ def schedules(rank: int, size: int) -> dict:
                          "multiplier": _report.refusal(lambda: hvdp.keras.LearningRateSchedule(multiplier="half"))}}
 
 
+def sync_batch_norm(rank: int, size: int) -> dict:
+    """hvdp.keras.SyncBatchNormalization in fit, from different weights per rank, against one process with
+    keras.layers.BatchNormalization on the union of the batches: weights and moving statistics."""
+    def model_with(norm: Any, seed: int) -> keras.Model:
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input(shape=(FEATURES,)), keras.layers.Dense(12), norm,
+                                 keras.layers.Activation("tanh"), keras.layers.Dense(CLASSES)])
+
+    parts = [rank_data(400 + r, PER_RANK_BATCH * STEPS) for r in range(size)]
+    x, y = parts[rank]
+    model = model_with(hvdp.keras.SyncBatchNormalization(momentum=0.5), seed=rank)
+    optimizer = hvdp.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    model.compile(optimizer=optimizer, loss=loss())
+    hvdp.broadcast_state(model, optimizer)
+    model.fit(x, y, batch_size=PER_RANK_BATCH, epochs=2, shuffle=False, verbose=0)
+    reference = model_with(keras.layers.BatchNormalization(momentum=0.5), seed=0)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss())
+    union = [np.concatenate([p[i][s * PER_RANK_BATCH:(s + 1) * PER_RANK_BATCH] for p in parts])
+             for i in (0, 1) for s in range(STEPS)]
+    reference.fit(np.concatenate(union[:STEPS]), np.concatenate(union[STEPS:]), batch_size=PER_RANK_BATCH * size,
+                  epochs=2, shuffle=False, verbose=0)
+
+    def stats(m: keras.Model) -> np.ndarray:
+        norm = m.layers[1]
+        return np.concatenate([keras.ops.convert_to_numpy(norm.moving_mean),
+                               keras.ops.convert_to_numpy(norm.moving_variance)]).astype(np.float64)
+
+    return {"weights": compare(flat(model), flat(reference)), "stats": compare(stats(model), stats(reference)),
+            "moved_stats": float(np.max(np.abs(stats(model) - np.concatenate([np.zeros(12), np.ones(12)])))),
+            "digest": digest(np.concatenate([flat(model), stats(model)])),
+            "facade": type(hvdp.SyncBatchNorm(momentum=0.9)).__name__ if hvdp.framework() == "tensorflow" else None,
+            "refused": _report.refusal(lambda: hvdp.keras.SyncBatchNormalization(synchronized=True))}
+
+
 def save_and_resume(rank: int, size: int) -> dict:
     """model.save on rank 0, keras.models.load_model on every rank, one more epoch: as if never stopped."""
     path = os.path.join(os.environ["HVDP_TEST_OUT"], "resume.keras")
@@ -304,7 +338,7 @@ def main() -> None:
     rank, size = hvdp.rank(), hvdp.size()
     record = {"rank": rank, "framework": hvdp.framework(), "keras_backend": keras.backend.backend(),
               "fit": fit_against_union(rank, size), "callbacks": callbacks(rank, size),
-              "schedules": schedules(rank, size),
+              "schedules": schedules(rank, size), "sync_batch_norm": sync_batch_norm(rank, size),
               "resume": save_and_resume(rank, size),
               "helper": helper_model_on_one_rank(rank),
               "drift": drift_in_fit(rank), "custom_loop": drift_in_custom_loop(rank),
