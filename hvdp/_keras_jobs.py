@@ -133,6 +133,12 @@ def guard_fits() -> None:
 
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         optimizer: Any = getattr(self, "optimizer", None)
+        if is_distributed(getattr(optimizer, "inner_optimizer", None)):
+            raise ValueError(
+                "keras.optimizers.LossScaleOptimizer(hvdp.DistributedOptimizer(opt)): the loss scaler would check "
+                "each rank's own gradients for overflow, so one rank could skip a step the others take, and they "
+                "would wait for it. Wrap it the other way round: "
+                "hvdp.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt)).")
         guarded = getattr(optimizer, "_hvdp_after_step", None) is not None
         sync = epoch_join[0]
         if not guarded and sync is None:

@@ -64,6 +64,11 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
             )
         optimizer.gradient_accumulation_steps = backward_passes_per_step
 
+    loss_scaled = _is_loss_scale(optimizer)
+    if loss_scaled and backward_passes_per_step > 1:
+        raise ValueError("backward_passes_per_step > 1 with a LossScaleOptimizer: give the inner optimizer "
+                         "gradient_accumulation_steps instead, or reduce every pass.")
+
     class _DistributedKerasOptimizer(cls):  # type: ignore[misc, valid-type]
         _hvdp_distributed = True
         _hvdp_reduce = staticmethod(reduce_gradients)
@@ -73,6 +78,11 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
             grads = [
                 _zeros_like(variable) if grad is None else grad for grad, variable in zip(grads, variables)
             ]
+            if loss_scaled:
+                # A LossScaleOptimizer checks its gradients for inf/NaN and skips the step on overflow, then
+                # hands the unscaled ones to its inner optimizer: reduced first (still scaled), every rank
+                # sees the same gradients and takes the same branch, as under tf.distribute.
+                grads = self._hvdp_reduce(list(grads))
             result = super().apply(grads, trainable_variables)
             after_step = getattr(self, "_hvdp_after_step", None)
             if after_step is not None and not getattr(self, "_hvdp_in_fit", False) and _runs_eagerly():
@@ -92,6 +102,12 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
     _DistributedKerasOptimizer.__module__ = cls.__module__
     optimizer.__class__ = _DistributedKerasOptimizer
     return optimizer
+
+
+def _is_loss_scale(optimizer: Any) -> bool:
+    keras = sys.modules.get("keras")
+    base = getattr(getattr(keras, "optimizers", None), "LossScaleOptimizer", None)
+    return base is not None and isinstance(optimizer, base)
 
 
 def _runs_eagerly() -> bool:

@@ -75,6 +75,22 @@ def test_sync_batch_normalization_equals_one_process_on_the_union(job):
     assert len({r["sync_batch_norm"]["digest"] for r in job.ranks}) == 1, "replicas differ"
 
 
+def test_mixed_precision_with_a_loss_scale_optimizer_steps_and_skips_alike(job):
+    """mixed_float16 with hvdp.DistributedOptimizer(LossScaleOptimizer(SGD)): gradients reduced before the
+    overflow check, so fit equals one process on the union (float16 rounding aside), and a batch that
+    overflows on rank 1 only is skipped by every rank, halving the scale alike; the other order is refused
+    (its check would run on each rank's own gradients, and one rank could skip while the others wait)."""
+    for rank in job.ranks:
+        got = rank["mixed_precision"]
+        assert got["compute_dtype"] == "float16"
+        assert got["moved"] > 1e-2 and got["vs_union"]["max_abs"] <= 1e-4, got["vs_union"]  # measured 8e-6
+        assert got["overflow"] == {"unchanged": True, "scale": 32768.0 / 2}, got["overflow"]
+        assert got["inner_refused"].startswith("ValueError: keras.optimizers.LossScaleOptimizer(hvdp.Distributed")
+        assert "hvdp.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt))" in got["inner_refused"]
+    for key in ("digest", "overflow_digest"):
+        assert len({r["mixed_precision"][key] for r in job.ranks}) == 1, f"replicas differ ({key})"
+
+
 def test_model_checkpoint_saves_on_rank_0_only(job):
     r0, r1 = (rank["schedules"] for rank in job.ranks)
     assert (r0["saves"], r1["saves"]) == (3, 0)

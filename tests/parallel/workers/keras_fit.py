@@ -182,6 +182,57 @@ def sync_batch_norm(rank: int, size: int) -> dict:
             "refused": _report.refusal(lambda: hvdp.keras.SyncBatchNormalization(synchronized=True))}
 
 
+def mixed_precision(rank: int, size: int) -> dict:
+    """keras.mixed_precision ("mixed_float16") with hvdp.DistributedOptimizer(LossScaleOptimizer(SGD)): fit
+    against one process on the union; a first batch that overflows on rank 1 only (every rank skips it, the
+    scale halves alike); the other order refused in fit."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        def compiled(distributed: bool, seed: int) -> tuple:
+            keras.utils.set_random_seed(seed)
+            model = keras.Sequential([keras.Input(shape=(FEATURES,)), keras.layers.Dense(32, activation="tanh"),
+                                      keras.layers.Dense(CLASSES, dtype="float32")])
+            scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+            optimizer = hvdp.DistributedOptimizer(scaled) if distributed else scaled
+            model.compile(optimizer=optimizer, loss=loss())
+            return model, optimizer
+
+        parts = [rank_data(500 + r, PER_RANK_BATCH * STEPS) for r in range(size)]
+        x, y = parts[rank]
+        model, optimizer = compiled(True, seed=rank)
+        hvdp.broadcast_state(model, optimizer)
+        start = flat(model)
+        model.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+        reference, _ = compiled(False, seed=0)
+        union = [np.concatenate([p[i][s * PER_RANK_BATCH:(s + 1) * PER_RANK_BATCH] for p in parts])
+                 for i in (0, 1) for s in range(STEPS)]
+        reference.fit(np.concatenate(union[:STEPS]), np.concatenate(union[STEPS:]), batch_size=PER_RANK_BATCH * size,
+                      epochs=1, shuffle=False, verbose=0)
+
+        overflowing, scaler = compiled(True, seed=0)
+        hvdp.broadcast_state(overflowing, scaler)
+        first = flat(overflowing)
+        spoiled = x.copy()
+        if rank == 1:
+            spoiled[0] = 1e6  # beyond float16: inf in the forward, NaN gradients on this rank only
+        overflowing.fit(spoiled[:PER_RANK_BATCH], y[:PER_RANK_BATCH], batch_size=PER_RANK_BATCH, epochs=1,
+                        verbose=0, shuffle=False)
+        after_overflow = {"unchanged": bool(np.array_equal(flat(overflowing), first)),
+                          "scale": float(keras.ops.convert_to_numpy(scaler.dynamic_scale))}
+        overflowing.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, verbose=0, shuffle=False)
+
+        keras.utils.set_random_seed(0)
+        inner = keras.Sequential([keras.Input(shape=(FEATURES,)), keras.layers.Dense(CLASSES, dtype="float32")])
+        inner.compile(optimizer=keras.optimizers.LossScaleOptimizer(hvdp.DistributedOptimizer(
+            keras.optimizers.SGD(0.1))), loss=loss())
+        return {"vs_union": compare(flat(model), flat(reference)), "moved": float(np.max(np.abs(flat(model) - start))),
+                "digest": digest(flat(model)), "overflow": after_overflow,
+                "overflow_digest": digest(flat(overflowing)), "compute_dtype": model.layers[0].compute_dtype,
+                "inner_refused": _report.refusal(lambda: inner.fit(x, y, batch_size=PER_RANK_BATCH, verbose=0))}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def save_and_resume(rank: int, size: int) -> dict:
     """model.save on rank 0, keras.models.load_model on every rank, one more epoch: as if never stopped."""
     path = os.path.join(os.environ["HVDP_TEST_OUT"], "resume.keras")
@@ -339,6 +390,7 @@ def main() -> None:
     record = {"rank": rank, "framework": hvdp.framework(), "keras_backend": keras.backend.backend(),
               "fit": fit_against_union(rank, size), "callbacks": callbacks(rank, size),
               "schedules": schedules(rank, size), "sync_batch_norm": sync_batch_norm(rank, size),
+              "mixed_precision": mixed_precision(rank, size),
               "resume": save_and_resume(rank, size),
               "helper": helper_model_on_one_rank(rank),
               "drift": drift_in_fit(rank), "custom_loop": drift_in_custom_loop(rank),
