@@ -55,6 +55,13 @@ def test_three_two_three_workers_train_every_example_once_per_epoch(framework, m
             by_size[size] += len(indices)
         table.append((epoch, runs, dict(by_size), len(counts), sum(counts.values())))
     assert table[1][1] == [3, 2, 3], table  # the middle epoch went 3 -> 2 -> 3 workers
+    # hvdp.DistributedSampler deals to the workers present: at 3 workers 80 each, at 2 workers 120 each,
+    # every example in one share
+    shares = job.ranks[0]["shares"]
+    assert [(epoch, size) for epoch, size, _, _ in shares] == [(0, 3), (1, 3), (1, 2), (1, 3), (2, 3)], shares
+    for epoch, size, length, parts in shares:
+        assert length == N // size and [len(part) for part in parts] == [N // size] * size, (epoch, size)
+        assert sorted(i for part in parts for i in part) == list(range(N)), (epoch, size)
     assert table[0][1] == [3] and table[2][1] == [3]
     print(f"\n{framework}/{model}: (epoch, workers over the epoch, examples per size, distinct, total)")
     for row in table:

@@ -12,7 +12,8 @@ The discovery script prints $HVDP_TEST_OUT/hosts: three names of this machine, o
 
 Every step, the workers gather the indices they trained and the state keeps them, with the
 number of workers, in ``state.log``: the log is committed, restored and synced with the model,
-so it holds exactly the steps the final model learned from. Every worker reports the log.
+so it holds exactly the steps the final model learned from. Every worker reports the log, and
+``hvdp.DistributedSampler``'s shares each time the workers change (its length and every worker's part).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main() -> None:
     x, y = data.normal(size=(N, 8)).astype(np.float32), data.integers(0, 3, size=N)
     first = not os.path.exists(KILLED)
     state = hvdp.elastic.State(model, optimizer, sampler=hvdp.elastic.Sampler(N, BATCH, seed=3), epoch=0,
-                               log=[], steps_at_2=0)
+                               log=[], steps_at_2=0, shares=[])
+    dealt = hvdp.DistributedSampler(N, seed=3)  # reads the workers when asked: after a resize, the new ones
 
     @hvdp.elastic.run
     def train(state: hvdp.elastic.State) -> None:
@@ -64,6 +66,10 @@ def main() -> None:
                         out.write(mine)
                     os.kill(os.getpid(), signal.SIGKILL)
                 step(x[idx], y[idx])
+                if not state.shares or state.shares[-1][:2] != [state.epoch, size]:
+                    dealt.set_epoch(state.epoch)
+                    parts = hvdp.allgather_object(dealt.indices().tolist())
+                    state.shares.append([state.epoch, size, len(dealt), parts])
                 trained = hvdp.allgather_object(idx.tolist())
                 state.log.append([state.epoch, size, [i for part in trained for i in part]])
                 if size == 2:
@@ -84,7 +90,7 @@ def main() -> None:
 
     train(state)
     _report.write(hvdp.rank(), {"rank": hvdp.rank(), "size": hvdp.size(), "first_incarnation": first,
-                                "log": state.log})
+                                "log": state.log, "shares": state.shares})
     hvdp.shutdown()
 
 
