@@ -23,9 +23,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """``keras.layers.BatchNormalization`` whose batch mean and variance are those of the global batch:
     every rank's examples (of ``process_set``, when given), as one process would compute them on the
     union of the batches; the moving statistics follow them, so they are equal on every rank. Horovod's
-    ``SyncBatchNormalization`` (TensorFlow only there); here on both Keras backends, in ``fit`` and in
-    custom loops (a mask weighs the examples as BatchNormalization's does). Takes BatchNormalization's arguments (``synchronized`` excepted:
-    it is this layer's whole point). A forward in training mode is a collective: every rank runs it.
+    ``SyncBatchNormalization`` (TensorFlow only there); here on both Keras backends. A mask weighs the
+    examples as BatchNormalization's does. Takes BatchNormalization's arguments (``synchronized``
+    excepted: it is this layer's whole point). A forward in training mode is a collective: every rank
+    runs it.
 
     Example:
         >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
