@@ -22,7 +22,7 @@ _RAISED = re.compile(r"^\[(?:\d+,)?(\d+)\]<stderr>:([\w.]*(?:Error|Exception|Int
 #: A rank of a stall report's "Missing ranks:" list and its tensors; "!" marks one stalled past the limit.
 _MISSING = re.compile(r"(?:^|<std(?:out|err)>:|\] )(\d+)(!?): \[(.*?)\]", re.MULTILINE)
 #: A Keras optimizer's gradient list (hvdp.gradients.N, grouped by Horovod as _KofM).
-_KERAS_LIST = re.compile(r"hvdp\.gradients(?:\.\d+)?_\d+of(\d+)")
+_KERAS_LIST = re.compile(r"hvdp\.gradients(?:\.\d+)?(?:\.g\d+)?_\d+of(\d+)")
 #: A gradient's collective: a Keras optimizer's list (TensorFlow, torch) or a torch parameter's allreduce.
 _GRADIENT = re.compile(r"(?:grouped_allreduce\.)?hvdp\.gradients|allreduce\.")
 
@@ -167,7 +167,7 @@ def models_differ(missing: Dict[int, str]) -> Optional[str]:
     (One rank alone missing names is a rank that is slow or stuck elsewhere: nothing is said.)
 
     Example:
-        >>> models_differ({0: "hvdp.gradients.0_1of5, hvdp.gradients.0_2of5", 1: "hvdp.gradients.0_1of4"})[:60]
+        >>> models_differ({0: "hvdp.gradients.0.g0_1of5, hvdp.gradients.0.g0_2of5", 1: "hvdp.gradients.0.g0_1of4"})[:60]
         'The ranks reduce different gradients, so their models differ'
     """
     gradients = {rank: [n.strip() for n in names.split(",") if _GRADIENT.match(n.strip())]

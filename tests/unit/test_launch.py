@@ -257,8 +257,8 @@ def test_job_watcher_names_the_cause_not_the_consequences():
     assert "rank 1 never submitted allreduce.weight, allreduce.bias" in stall.summary(1)
     assert "Every rank must make the same collective calls" in stall.summary(1)  # one rank slow or stuck
     keras = JobWatcher()  # rank 1 built a model with one more layer: each waits for the other's list
-    keras.feed("[0]<stdout>:Missing ranks:\n[0]<stdout>:0!: [hvdp.gradients.0_1of6, hvdp.gradients.0_2of6]\n"
-               "[0]<stdout>:1: [hvdp.gradients.0_1of4, hvdp.gradients.0_2of4]\n")  # TensorFlow's names
+    keras.feed("[0]<stdout>:Missing ranks:\n[0]<stdout>:0!: [hvdp.gradients.0.g0_1of6, hvdp.gradients.0.g0_2of6]\n"
+               "[0]<stdout>:1: [hvdp.gradients.0.g0_1of4, hvdp.gradients.0.g0_2of4]\n")  # TensorFlow's names
     assert "models differ: rank 0 reduces 4 gradients; rank 1 reduces 6 gradients. A layer" in keras.summary(1)
     assert "hvdp.check_consistency(model)" in keras.summary(1)
     on_torch = JobWatcher()  # Keras on torch: Horovod's torch names its groups
