@@ -254,13 +254,14 @@ def broadcast_state(
     backend.broadcast_state(model, optimizer, _validate.check_root(root_rank, "broadcast_state", process_set), handle)
 
 
-def _rows(value: Any, kind: str) -> int:
+def rows_of(value: Any, kind: str) -> int:
     """The first dimension of ``value``, which ``kind`` splits between the ranks; a TypeError without one."""
     shape = getattr(value, "shape", None)
     if is_python_number(value) or shape is None or len(shape) == 0:
+        got = describe(value) if shape is not None or is_python_number(value) else repr(value)
         raise TypeError(f"hvdp.{kind} splits its value's first dimension between the ranks, so it takes a tensor or "
-                        f"array with at least one dimension, got {describe(value) if shape is not None else value!r}."
-                        f" Fix: pass an array of rows, e.g. np.asarray([value]).")
+                        f"array with at least one dimension, got {got}. Fix: pass an array of rows, e.g. "
+                        f"np.asarray([value]).")
     return int(shape[0])
 
 
@@ -282,7 +283,7 @@ def reducescatter(value: Any, op: str = "average", name: Optional[str] = None, *
         raise ValueError(f"hvdp.reducescatter(op={op!r}): Horovod's reducescatter averages or sums. "
                          "Use op='average' or 'sum' (or hvdp.allreduce for the others).")
     _validate.check_choice("op", op, ("average", "sum"))
-    _rows(value, "reducescatter")
+    rows_of(value, "reducescatter")
     wire = _process_sets.collective_name("reducescatter", name, process_set)
     return run("reducescatter", backend, value, name, lambda: backend.reducescatter(value, op, wire, handle),
                process_set)
@@ -303,7 +304,7 @@ def alltoall(value: Any, splits: Optional[Sequence[int]] = None, name: Optional[
     """
     backend = _runtime.current("alltoall")
     handle = _process_sets.handle(process_set, "alltoall")
-    rows = _rows(value, "alltoall")
+    rows = rows_of(value, "alltoall")
     members = backend.size() if process_set is None else process_set.size()
     if splits is None and rows % members:
         even = [rows // members + (r < rows % members) for r in range(members)]

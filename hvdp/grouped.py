@@ -12,7 +12,7 @@ import numpy as np
 from hvdp import _runtime
 from hvdp import process_sets as _process_sets
 from hvdp import validate as _validate
-from hvdp.collectives import describe, is_python_number, number_as_array, run
+from hvdp.collectives import describe, is_python_number, number_as_array, rows_of, run
 from hvdp.process_sets import ProcessSet
 
 
@@ -85,9 +85,5 @@ def grouped_reducescatter(values: Sequence[Any], op: str = "average", name: Opti
                          "Use op='average' or 'sum' (or hvdp.grouped_allreduce for the others).")
     _validate.check_choice("op", op, ("average", "sum"))
     for value in _values(values, "reducescatter"):
-        shape = getattr(value, "shape", None)
-        if is_python_number(value) or shape is None or len(shape) == 0:
-            raise TypeError(f"hvdp.grouped_reducescatter splits each value's first dimension between the ranks, so "
-                            f"it takes tensors or arrays with at least one dimension, got {describe(value)}. "
-                            f"Fix: pass arrays of rows, e.g. np.asarray([value]).")
+        rows_of(value, "grouped_reducescatter")
     return _grouped("reducescatter", values, op, name, process_set, as_float=False)
