@@ -198,6 +198,7 @@ def DistributedOptimizer(
     broadcast_buffers: bool = True,
     sparse_as_dense: bool = False,
     groups: Any = None,
+    shard_optimizer_state: bool = False,
 ) -> Any:
     """Wrap an optimizer so every step uses gradients reduced across all processes (or a process set).
 
@@ -223,6 +224,9 @@ def DistributedOptimizer(
             TensorFlow gradients travel dense always.
         groups: gradients in as many requests as this number (None: Horovod's fusion decides on
             torch, one request on Keras), or, on torch, lists of parameters reduced together.
+        shard_optimizer_state: ZeRO stage 1: each rank keeps the optimizer state of 1/N of the
+            parameters; gradients are reduce-scattered and the updated parameters all-gathered
+            (README, "Sharded optimizer state"). ``state_dict()`` then gathers (call it on every rank).
 
     With torch, gradients are averaged when ``backward()`` returns (as under DDP), so
     clipping or AMP's ``unscale_`` between ``backward()`` and ``step()`` sees the
@@ -235,6 +239,7 @@ def DistributedOptimizer(
         >>> opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), model)  # doctest: +SKIP
     """
     backend = _runtime.current("DistributedOptimizer")
+    shard = _validate.check_sharding(shard_optimizer_state, op, groups)
     handle = _process_sets.handle(process_set, "DistributedOptimizer")
     _validate.check_op(op, backend, process_set, caller="hvdp.DistributedOptimizer")
     _validate.check_compression(compression, COMPRESSIONS)
@@ -251,6 +256,7 @@ def DistributedOptimizer(
         broadcast_buffers=bool(broadcast_buffers),
         sparse_as_dense=bool(sparse_as_dense),
         groups=_validate.check_groups(groups),
+        shard_optimizer_state=shard,
     )
     ranks = _process_sets.members(process_set, "DistributedOptimizer")
     wrapped._hvdp_whole_job = process_set is None

@@ -146,10 +146,15 @@ def check_architecture(path: Union[str, Path], expected: List[Tuple[str, Tuple[i
 
 def save(backend: Any, path: Union[str, Path], model: Any, optimizer: Any, extras: Dict[str, Any]) -> None:
     """Rank 0 writes; every rank returns, or raises CheckpointError if the write failed."""
-    failure = None
-    if backend.rank() == 0:
+    failure, gathered = None, None
+    if getattr(optimizer, "_hvdp_shards", None) is not None:  # a sharded state is gathered by every rank
         try:
-            arrays, optimizer_state = backend.export_state(model, optimizer)
+            gathered = backend.export_state(model, optimizer)
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+    if backend.rank() == 0 and failure is None:
+        try:
+            arrays, optimizer_state = gathered or backend.export_state(model, optimizer)
             write(path, backend.name, arrays, optimizer_state, extras)
         except Exception as exc:  # every rank must learn of it, or the others would wait forever
             failure = f"{type(exc).__name__}: {exc}"

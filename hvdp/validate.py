@@ -120,6 +120,19 @@ def check_groups(groups: Any) -> Any:
                     f"together (groups=[[w1, b1], [w2, b2]]).")
 
 
+def check_sharding(shard_optimizer_state: object, op: str, groups: Any) -> bool:
+    """``DistributedOptimizer(shard_optimizer_state=...)``: a bool, with the options a sharded step can honour."""
+    if not isinstance(shard_optimizer_state, bool):
+        raise TypeError(f"shard_optimizer_state={shard_optimizer_state!r}; give True or False.")
+    if shard_optimizer_state and op == "adasum":
+        raise ValueError("shard_optimizer_state=True with op='adasum': Adasum combines whole tensors, a sharded step "
+                         "reduce-scatters slices of them. Use op='average' (or 'sum'), or shard_optimizer_state=False.")
+    if shard_optimizer_state and groups is not None:
+        raise ValueError(f"shard_optimizer_state=True with groups={groups!r}: a sharded step reduces each param "
+                         f"group's gradients in one reducescatter already. Leave groups out.")
+    return shard_optimizer_state
+
+
 def check_compression(compression: object, choices: tuple) -> str:
     """``compression`` if it is one of ``choices``; bfloat16 is refused with the reason."""
     if compression == "bf16":

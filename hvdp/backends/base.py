@@ -122,6 +122,7 @@ class Backend(Protocol):
         broadcast_buffers: bool = True,
         sparse_as_dense: bool = False,
         groups: Any = None,
+        shard_optimizer_state: bool = False,
     ) -> Any:
         """Wrap ``optimizer`` so each step reduces gradients across the processes of ``process_set``.
 

@@ -104,6 +104,13 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
     return optimizer
 
 
+def refuse_keras_sharding(shard_optimizer_state: bool) -> None:
+    """A Keras optimizer does not shard its state yet: say so, with what to use."""
+    if shard_optimizer_state:
+        raise ValueError("shard_optimizer_state=True shards a torch.optim optimizer's state; a Keras optimizer keeps "
+                         "its whole state on every rank in this version. Use shard_optimizer_state=False with Keras.")
+
+
 def _is_loss_scale(optimizer: Any) -> bool:
     keras = sys.modules.get("keras")
     base = getattr(getattr(keras, "optimizers", None), "LossScaleOptimizer", None)

@@ -103,6 +103,7 @@ class Backend(HorovodJob):
         broadcast_buffers: bool = True,
         sparse_as_dense: bool = False,
         groups: Any = None,
+        shard_optimizer_state: bool = False,
     ) -> Any:
         if not keras_adapter.is_keras_optimizer(optimizer):
             raise TypeError(
@@ -110,6 +111,7 @@ class Backend(HorovodJob):
                 f"(keras.optimizers.Optimizer), got {type(optimizer).__module__}."
                 f"{type(optimizer).__name__}."
             )
+        keras_adapter.refuse_keras_sharding(shard_optimizer_state)
         reduce = self._gradient_reducer(op, compression, gradient_predivide_factor, process_set,
                                         keras_adapter.keras_groups(groups))
         return keras_adapter.wrap_optimizer(optimizer, reduce, backward_passes_per_step)

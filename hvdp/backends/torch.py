@@ -8,6 +8,7 @@ the torch Keras backend are wrapped by :mod:`hvdp.keras` with torch collectives.
 from __future__ import annotations
 
 import itertools
+import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
@@ -25,6 +26,7 @@ from hvdp.backends.torch_gradients import (
     sleeping_synchronize,
     sparse_gradients,
 )
+from hvdp.backends.torch_sharded import load_state_keeping_objects, shard, whole_for_broadcast
 
 
 def _map_tensors(tree: Any, to_numpy: bool) -> Any:
@@ -89,26 +91,6 @@ def _slots(tree: Any) -> List[_Slot]:
     return [slot for value in values for slot in _slots(value)]
 
 
-def load_state_keeping_objects(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:
-    """``optimizer.load_state_dict(state_dict)``, keeping the optimizer's ``state`` and param-group objects.
-
-    torch's ``load_state_dict`` replaces them with new ones; a learning-rate scheduler
-    (or the original optimizer a :func:`hvdp.DistributedOptimizer` shares them with)
-    holds the old ones and would stop driving this optimizer.
-    """
-    groups, state = optimizer.param_groups, optimizer.state
-    optimizer.load_state_dict(state_dict)
-    for old, new in zip(groups, optimizer.param_groups):
-        if old is not new:
-            old.clear()
-            old.update(new)
-    loaded = optimizer.state
-    if loaded is not state:
-        state.clear()
-        state.update(loaded)
-    optimizer.param_groups, optimizer.state = groups, state
-
-
 def _share_state(wrapped: torch.optim.Optimizer, original: torch.optim.Optimizer) -> None:
     """Make Horovod's new optimizer object share everything the user's optimizer holds.
 
@@ -160,8 +142,16 @@ class Backend(HorovodJob):
         broadcast_buffers: bool = True,
         sparse_as_dense: bool = False,
         groups: Any = None,
+        shard_optimizer_state: bool = False,
     ) -> Any:
         horovod_set = self._set(process_set)
+        if isinstance(optimizer, torch.optim.Optimizer) and shard_optimizer_state:
+            if model is not None and broadcast_buffers:
+                broadcast_buffers_before_forward(model, 0, horovod_set, joining=lambda: self.joining)
+            size = self.size() if process_set is None else int(process_set.size())
+            name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
+            names = {p: n for n, p in model.named_parameters()} if isinstance(model, torch.nn.Module) else {}
+            return shard(optimizer, names, self._op(name), compression, prescale, postscale, horovod_set)
         if isinstance(optimizer, torch.optim.Optimizer):
             named: Optional[list] = None
             if model is not None:
@@ -193,6 +183,7 @@ class Backend(HorovodJob):
                 return wrapped
             return reduce_at_backward_end(wrapped)
         if keras_adapter.is_keras_optimizer(optimizer):
+            keras_adapter.refuse_keras_sharding(shard_optimizer_state)
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
             horovod_op, comp = self._op(name), self._compression(compression)
@@ -219,16 +210,18 @@ class Backend(HorovodJob):
         if not isinstance(optimizer, torch.optim.Optimizer):
             return super().on_step(optimizer, callback)  # a Keras optimizer on the torch Keras backend
         names = getattr(optimizer, "_parameter_names", {})
-        parameters = [(names.get(p, f"param_groups.{i}.{j}"), p)
-                      for i, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
+        parameters = getattr(optimizer, "_hvdp_parameters", None) or [
+            (names.get(p, f"param_groups.{i}.{j}"), p)
+            for i, group in enumerate(optimizer.param_groups) for j, p in enumerate(group["params"])]
         step = optimizer.step
 
-        def step_then_call(*args: Any, **kwargs: Any) -> Any:
+        def step_then_call(_self: Any, *args: Any, **kwargs: Any) -> Any:
             result = step(*args, **kwargs)
             callback(lambda: [(name, p.detach().cpu().numpy()) for name, p in parameters])
             return result
 
-        optimizer.step = step_then_call  # type: ignore[method-assign]
+        # A method, as a learning-rate scheduler made after this expects of optimizer.step.
+        optimizer.step = types.MethodType(step_then_call, optimizer)  # type: ignore[method-assign]
         return True
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
@@ -266,7 +259,9 @@ class Backend(HorovodJob):
         """
         is_root = self.rank() == root_rank
         tensors: List[torch.Tensor] = []
-        skeleton = _take_tensors(optimizer.state_dict(), tensors) if is_root else None
+        whole = whole_for_broadcast(optimizer, is_root, lambda flag: self.broadcast_object(
+            flag, root_rank, horovod_set, name="hvdp.optimizer_state.loaded"))  # sharded: not the root's part only
+        skeleton = _take_tensors(optimizer.state_dict() if whole is None else whole, tensors) if is_root else None
         skeleton = self.broadcast_object(skeleton, root_rank, horovod_set, name="hvdp.optimizer_state")
         if not is_root:
             tensors = [torch.empty(int(np.prod(slot.shape)), dtype=slot.dtype)

@@ -16,8 +16,9 @@ _JOBS: dict = {}
 def equivalence_job(framework, controller, tmp_path_factory):
     """One job per (framework, controller), shared by every test of this module."""
     if (framework, controller) not in _JOBS:
-        ran = run_worker(f"equivalence_{framework}.py", controller, framework, tmp_path_factory.mktemp(framework))
-        ran.controller, ran.framework = controller, framework
+        out_dir = tmp_path_factory.mktemp(framework)
+        ran = run_worker(f"equivalence_{framework}.py", controller, framework, out_dir)
+        ran.controller, ran.framework, ran.out_dir = controller, framework, out_dir
         _JOBS[framework, controller] = ran
     return _JOBS[framework, controller]
 
@@ -196,3 +197,82 @@ def test_torch_buffers_are_rank_0s_before_each_training_forward_unless_turned_of
     per_rank = {rank["buffers"]["False"] for rank in torch_job.ranks}
     assert len(kept_equal) == 1, "broadcast_buffers=True (the default): running statistics differ"
     assert len(per_rank) == len(torch_job.ranks), "broadcast_buffers=False: each rank should keep its own"
+
+
+# shard_optimizer_state=True (ZeRO stage 1), torch: tests/parallel/workers/_sharded.py.
+
+SHARDED_OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
+
+
+def sharded(job, key):
+    return [rank["sharded"][key] for rank in job.ranks]
+
+
+@pytest.mark.parametrize("optimizer", SHARDED_OPTIMIZERS)
+@pytest.mark.parametrize("option", ["average", "sum", "bpps2", "predivide"])
+def test_sharded_state_steps_as_one_process_on_the_whole_batch(torch_job, optimizer, option):
+    """From different weights on each rank through broadcast_state, two param groups with their own lr, a
+    StepLR schedule, a flat buffer that divides by 2 unevenly: within rtol 1e-5 of one process."""
+    found = [rank[f"{optimizer}/{option}"] for rank in sharded(torch_job, "equivalence")]
+    for result in found:
+        assert result["moved"] > 1e-2, "training did not move the parameters"
+        assert result["close"], f"{optimizer}/{option}: max abs diff {result['max_abs']}"
+        assert result["lrs"] == found[0]["lrs"] and result["lrs"][0] != result["lrs"][1], result["lrs"]
+    assert len({r["digest"] for r in found}) == 1, "replicas differ"
+
+
+@pytest.mark.parametrize("optimizer", SHARDED_OPTIMIZERS)
+def test_sharded_state_is_each_ranks_part_and_gathers_to_the_single_process_state(torch_job, optimizer):
+    found = [rank[f"{optimizer}/average"] for rank in sharded(torch_job, "equivalence")]
+    slots = 2 if optimizer.startswith("adam") else 1  # Adam's two moments; a momentum or square average
+    assert sum(r["state_elements"] for r in found) == slots * found[0]["whole_elements"], found
+    for result in found:  # each rank's share: half, give or take one element per param group and slot
+        assert abs(result["state_elements"] - slots * result["whole_elements"] / 2) <= 2 * slots, result
+        assert result["state_max_abs"] <= 1e-6, result  # state_dict() gathers the whole, as torch's
+
+
+@pytest.mark.parametrize("optimizer", SHARDED_OPTIMIZERS)
+def test_sharded_fp16_compression_equals_the_unsharded_optimizers(torch_job, optimizer):
+    for result in (rank[f"{optimizer}/fp16"] for rank in sharded(torch_job, "equivalence")):
+        assert result["fp16_vs_unsharded"]["max_abs"] <= 1e-6, result
+        assert 0 < result["relative_l2"] <= 1e-2, result
+
+
+def test_sharded_clip_grad_norm_clips_the_global_gradient(torch_job):
+    for result in sharded(torch_job, "equivalence"):
+        clip = result["clip"]
+        assert clip["close"], clip
+        assert max(abs(a - b) for a, b in zip(clip["norms"], clip["ref_norms"])) <= 1e-5 * max(clip["ref_norms"])
+        assert min(clip["norms"]) > 0.05, "the norms must exceed max_norm for the check to clip"
+
+
+def test_sharded_checkpoints_load_unsharded_and_back_and_continue_as_one_process(torch_job):
+    for rank in sharded(torch_job, "checkpoints"):
+        for case in ("sharded_to_whole", "whole_to_sharded", "sharded_to_sharded"):
+            assert rank[case]["close"] and rank[case]["extras"] == {"step": 5}, (case, rank[case])
+        assert rank["sharded_to_whole"]["state_elements"] > rank["whole_to_sharded"]["state_elements"] * 1.9
+
+
+def test_sharded_refusals_name_the_value_and_the_fix(torch_job):
+    for rank in sharded(torch_job, "refusals"):
+        assert rank["lbfgs"].startswith("ValueError") and "LBFGS" in rank["lbfgs"] and "Fix:" in rank["lbfgs"]
+        assert "op='adasum'" in rank["adasum"] and "op='average'" in rank["adasum"]
+        assert "groups=2" in rank["groups"] and "Leave groups out" in rank["groups"]
+        assert rank["not_bool"].startswith("TypeError") and "'yes'" in rank["not_bool"]
+        assert "float64" in rank["mixed_dtypes"] and "param group of their own" in rank["mixed_dtypes"]
+        assert "0.weight" in rank["moved_parameter"] and "make the optimizer" in rank["moved_parameter"]
+        assert rank["after"] == 2.0
+
+
+def test_a_checkpoint_of_2_sharded_ranks_loads_at_3_and_continues_as_one_process(tmp_path_factory):
+    """Saved by the Gloo equivalence job's sharded Adam at np=2, loaded at np=3 (a new split)."""
+    saved = equivalence_job("torch", "gloo", tmp_path_factory).out_dir / "adam_sharded.ckpt"
+    ran = run_worker("sharded_resume.py", "gloo", "torch", tmp_path_factory.mktemp("resume3"), np_=3,
+                     extra_env={"HVDP_SHARDED_CHECKPOINT": str(saved)})
+    found = [rank["resume"] for rank in ran.ranks]
+    for result in found:
+        assert result["close"] and result["moved"] > 1e-3, result
+        assert result["extras"] == {"step": 5} and result["loaded_steps"] == [5], result
+        assert abs(result["state_elements"] - 2 * result["whole_elements"] / 3) <= 4, result
+    assert sum(r["state_elements"] for r in found) == 2 * found[0]["whole_elements"]
+    assert len({r["digest"] for r in found}) == 1, "replicas differ"

@@ -20,6 +20,7 @@ import hvdp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _report
+import _sharded
 from _report import compare, digest
 
 STEPS, GLOBAL_BATCH, FEATURES, CLASSES = 5, 64, 16, 4
@@ -448,7 +449,8 @@ def main() -> None:
               "step_forms": step_forms(rank, size), "drift_guard": drift_guard(rank, size),
               "buffers": buffers(rank, size), "uneven": uneven(rank, size),
               "consistency": consistency(rank),
-              "collectives": collectives(rank, size), "bad_input": bad_input(rank)}
+              "collectives": collectives(rank, size), "bad_input": bad_input(rank),
+              "sharded": _sharded.run(rank, size)}
     _report.write(rank, record)
     hvdp.shutdown()
 
