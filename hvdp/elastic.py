@@ -94,6 +94,12 @@ class State:
         if reserved:
             raise ValueError(f"hvdp.elastic.State: extra(s) {', '.join(map(repr, reserved))} would hide "
                              f"State's own attributes; rename them (e.g. {reserved[0].lstrip('_')}_value).")
+        if getattr(optimizer, "_hvdp_shards", None) is not None:
+            raise ValueError(
+                "hvdp.elastic.State does not take a sharded optimizer (shard_optimizer_state=True) in this "
+                "version: a worker that joins holds no part of the state, and saving gathers it from every "
+                "worker. Fix: shard_optimizer_state=False for elastic jobs, or save with hvdp.save_checkpoint "
+                "and restart at the new size (a sharded checkpoint loads at any number of ranks).")
         self.model = model
         self.optimizer = optimizer
         self._extras: Dict[str, Any] = {}

@@ -88,6 +88,12 @@ def join(model: Any, optimizer: Any = None) -> Join:
             "Fix: give every member of the set the same number of batches (hvdp.shard), or train the "
             "whole job with one hvdp.DistributedOptimizer."
         )
+    if getattr(optimizer, "_hvdp_shards", None) is not None:
+        raise ValueError(
+            "hvdp.join() stands in for a finished rank's allreduces, but this optimizer's state is sharded "
+            "(shard_optimizer_state=True): its steps reduce-scatter and all-gather, which a joined rank cannot "
+            "take part in. Fix: give every rank the same number of batches (hvdp.DistributedSampler or "
+            "hvdp.shard), or shard_optimizer_state=False.")
     return Join(backend, model, optimizer)
 
 

@@ -1,22 +1,14 @@
 """ZeRO stage 1 on torch: each replica keeps the optimizer state of 1/N of the parameters.
 
-``hvdp.DistributedOptimizer(opt, model, shard_optimizer_state=True)``. The parameters of
-each param group are laid out in one flat buffer (each parameter becomes a view of it, so
-the model, its ``state_dict()`` and a broadcast read and write that memory). Rank r of n
-owns the elements :func:`bounds` gives of each buffer, the part reducescatter hands it
-(the first ``total % n`` ranks one element more). ``step()``:
-
-1. reduce-scatters each group's flattened gradients: this rank gets the reduced gradient of
-   its part only;
-2. steps the user's optimizer on a parameter that is a view of that part, so its state
-   (Adam's two moments) is 1/n of the model's size;
-3. all-gathers the updated parts into the buffers: every replica holds the whole model.
-
+``hvdp.DistributedOptimizer(opt, model, shard_optimizer_state=True)``. Each param group's
+parameters and gradients become views of two flat buffers (autograd accumulates into the
+gradient views). Rank r of n owns the elements :func:`bounds` gives of each buffer, the
+part reducescatter hands it. ``step()`` reduce-scatters the gradient buffers, steps the
+user's optimizer on views of this rank's part (in chunks: its state is 1/n of the model's),
+then each rank broadcasts its updated part in place: every replica holds the whole model.
 torch's built-in optimizers update each element from that element alone, so the step is
-the one an unsharded optimizer takes. ``state_dict()`` gathers the whole state in torch's
-unsharded format (a collective: every rank calls it), and ``load_state_dict`` takes such a
-state on any number of ranks and keeps this rank's part: checkpoints move between world
-sizes and to and from unsharded optimizers.
+the unsharded one. ``state_dict()`` gathers the whole state in torch's unsharded format (a
+collective), and ``load_state_dict`` takes one saved at any number of ranks, or unsharded.
 """
 
 from __future__ import annotations
@@ -30,6 +22,8 @@ import torch
 from hvdp import profiler
 from hvdp.backends.torch_gradients import complete
 
+#: Elements per chunk of a rank's part (1 MiB of float32): each chunk is one parameter of the optimizer.
+CHUNK = 1 << 18
 #: torch's optimizers whose update of an element reads that element's gradient and state only.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD",
                "Rprop")
@@ -86,51 +80,67 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 class Shards:
-    """The flat buffers, this rank's parts of them, and the collectives of a sharded step."""
+    """The flat buffers of parameters and gradients, this rank's parts of them, and a sharded step's collectives."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, compression: str,
-                 prescale: float, postscale: float, process_set: Any) -> None:
+                 prescale: float, postscale: float) -> None:
         self.optimizer, self.op, self.compression = optimizer, op, compression
-        self.prescale, self.postscale, self.process_set = prescale, postscale, process_set
+        self.prescale, self.postscale = prescale, postscale
         self.params: List[List[torch.nn.Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
         self.named = [(names.get(p, f"param_groups.{g}.{i}"), p)
                       for g, params in enumerate(self.params) for i, p in enumerate(params)]
-        self.flats: List[torch.Tensor] = []
+        self.flats: List[torch.Tensor] = []  # the parameters, each a view of its group's buffer
+        self.grads: List[torch.Tensor] = []  # their gradients, the same way (autograd accumulates into them)
         for params in self.params:
             flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0)
-            offset = 0
-            for p in params:
-                p.data = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
             self.flats.append(flat)
+            self.grads.append(torch.zeros_like(flat))
+            for p, view in zip(params, self.views(flat, params)):
+                p.data = view
+        self.attach_grads(zero=False)
         self.members, self.index = -1, -1
-        self.parts: List[torch.nn.Parameter] = []
+        self.parts: List[List[torch.nn.Parameter]] = []  # per group: this rank's part, in chunks
         self.reduced = False  # this step's gradients are reduced into the parts' .grad
         self.loaded: Optional[Dict[str, Any]] = None  # the whole state last loaded, until the next step
-        self.suffix = f".s{getattr(process_set, 'process_set_id', 0)}"
 
-    def world(self) -> Tuple[int, int]:
-        if self.process_set is None or self.process_set == hvd.global_process_set:
-            return hvd.size(), hvd.rank()
-        return self.process_set.size(), self.process_set.rank()
+    @staticmethod
+    def views(flat: torch.Tensor, params: List[torch.nn.Parameter]) -> List[torch.Tensor]:
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        return [flat[offsets[i]:offsets[i + 1]].view_as(p) for i, p in enumerate(params)]
+
+    def attach_grads(self, zero: bool) -> None:
+        """Make every parameter's ``.grad`` its view of the gradient buffer (copying a gradient made elsewhere)."""
+        for params, grads in zip(self.params, self.grads):
+            for p, view in zip(params, self.views(grads, params)):
+                if p.grad is None:
+                    if zero:
+                        view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr() or p.grad.is_sparse:
+                    view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)  # after model.zero_grad()
+                p.grad = view
 
     def lay_out(self, loading: bool = False) -> None:
         """Give this rank its parts for the current world (once, and again when the world changes)."""
-        members, index = self.world()
+        members, index = hvd.size(), hvd.rank()
         if (members, index) == (self.members, self.index):
             return
         if self.members > 0 and self.optimizer.state and not loading:
             raise RuntimeError(
                 f"hvdp: the ranks changed ({self.members} -> {members}) and this rank's optimizer state belongs to the "
-                f"old parts. Fix: load the whole state again (opt.load_state_dict(whole); hvdp.elastic.State and "
-                f"hvdp.load_checkpoint do).")
+                f"old parts. Fix: load the whole state again (opt.load_state_dict(whole); hvdp.load_checkpoint "
+                f"does).")
         self.members, self.index = members, index
         self.parts = []
         for flat, group in zip(self.flats, self.optimizer.param_groups):
             start, end = bounds(flat.numel(), members, index)
-            part = torch.nn.Parameter(flat[start:end])  # a view: stepping it updates the model
-            group["params"] = [part]
-            self.parts.append(part)
+            # Views (stepping them updates the model), in chunks: torch's optimizers run faster on tensors
+            # of about 1 MB than on one of a whole model (Adam on ResNet-18: 28 ms against 63 on one core).
+            chunks = [torch.nn.Parameter(flat[i:min(i + CHUNK, end)]) for i in range(start, end, CHUNK)] or \
+                [torch.nn.Parameter(flat[start:end])]
+            group["params"] = chunks
+            self.parts.append(chunks)
         self.optimizer.state.clear()
         self.reduced = False
 
@@ -145,85 +155,86 @@ class Shards:
                     f"would not reach it. Fix: move the model first, then make the optimizer.")
 
     def reduce(self) -> None:
-        """Reduce-scatter this step's gradients into the parts' ``.grad`` (once a step)."""
+        """Reduce-scatter this step's gradients; this rank's part of each gradient buffer gets the result."""
         if self.reduced:
             return
         self.lay_out()
         self.check_views()
-        grads = []
-        for params, flat in zip(self.params, self.flats):
-            pieces = [torch.zeros(p.numel(), dtype=flat.dtype) if p.grad is None else
-                      (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1) for p in params]
-            grad = torch.cat(pieces) if pieces else torch.zeros(0, dtype=flat.dtype)
-            grads.append(grad.half() if self.compression == "fp16" and grad.is_floating_point() else grad)
-        handle = hvd.grouped_reducescatter_async(
-            grads, name=f"hvdp.zero.gradients{self.suffix}", op=self.op, process_set=self.process_set or
-            hvd.global_process_set, prescale_factor=self.prescale, postscale_factor=self.postscale)
-        reduced = complete(handle)
-        for part, grad in zip(self.parts, reduced):
-            if grad.numel() != part.numel():
-                raise RuntimeError(f"hvdp: reducescatter gave this rank {grad.numel()} gradient elements for a part of "
-                                   f"{part.numel()}; the ranks split the buffers differently.")
-            part.grad = grad.to(part.dtype)
+        self.attach_grads(zero=True)
+        sent = [g.half() if self.compression == "fp16" and g.is_floating_point() else g for g in self.grads]
+        scale = self.prescale * self.postscale
+        if self.members == 1:  # one rank: its part is the whole buffer, and the reduction its own gradient
+            if scale != 1.0 or sent[0] is not self.grads[0]:
+                for grads, one in zip(self.grads, sent):
+                    grads.copy_(one * scale)
+        else:
+            reduced = complete(hvd.grouped_reducescatter_async(
+                sent, name="hvdp.zero.gradients", op=self.op, prescale_factor=self.prescale,
+                postscale_factor=self.postscale))
+            for grads, part in zip(self.grads, reduced):
+                start, end = bounds(grads.numel(), self.members, self.index)
+                if part.numel() != end - start:
+                    raise RuntimeError(f"hvdp: reducescatter gave this rank {part.numel()} gradient elements for a "
+                                       f"part of {end - start}; the ranks split the buffers differently.")
+                grads[start:end].copy_(part)
+        for chunks, grads in zip(self.parts, self.grads):  # only now: before, they would be this rank's own
+            start = bounds(grads.numel(), self.members, self.index)[0]
+            for chunk in chunks:
+                chunk.grad, start = grads[start:start + chunk.numel()], start + chunk.numel()
         self.reduced = True
 
     def gather(self) -> None:
-        """All-gather the updated parts into the buffers."""
-        handle = hvd.grouped_allgather_async([part.detach() for part in self.parts],
-                                             name=f"hvdp.zero.parameters{self.suffix}",
-                                             process_set=self.process_set or hvd.global_process_set)
-        with torch.no_grad():
-            for flat, whole in zip(self.flats, complete(handle)):
-                flat.copy_(whole)
+        """Give every rank every part: each rank broadcasts its part of each buffer, in place."""
+        if self.members == 1:
+            return  # the part is the whole buffer: stepped in place
+        handles = []
+        for g, flat in enumerate(self.flats):
+            for rank in range(self.members):
+                start, end = bounds(flat.numel(), self.members, rank)
+                if end > start:
+                    handles.append(hvd.broadcast_async_(flat[start:end], rank, name=f"hvdp.zero.part.{g}.{rank}"))
+        complete(*handles)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for params in self.params + [self.parts]:
-            for p in params:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers; every ``.grad`` stays their view (``set_to_none`` would undo the views)."""
+        for grads in self.grads:
+            grads.zero_()
+        self.attach_grads(zero=False)
+        for chunks in self.parts:
+            for chunk in chunks:
+                chunk.grad = None
         self.reduced = False
 
     # The whole state, in torch's unsharded format.
 
     def whole_state(self, local: Dict[str, Any]) -> Dict[str, Any]:
         """Every rank's part of each state tensor, gathered (a collective); ``local`` is the parts' state_dict."""
-        keys = sorted({key for g in range(len(self.parts)) for key in local["state"].get(g, {})})
-        gathered: List[torch.Tensor] = []
-        requests = []
-        for g, part in enumerate(self.parts):
-            state = local["state"].get(g, {})
+        first = [sum(len(p) for p in self.parts[:g]) for g in range(len(self.parts))]  # a group's first chunk
+        keys = sorted({key for entry in local["state"].values() for key in entry})
+        gathered, requests = [], []
+        for g, chunks in enumerate(self.parts):
+            entries = [local["state"].get(first[g] + c, {}) for c in range(len(chunks))]
             for key in keys:
-                value = state.get(key)
-                if torch.is_tensor(value) and value.dim() == 1 and value.shape == part.shape:
+                values = [entry.get(key) for entry in entries]
+                if all(torch.is_tensor(v) and v.dim() == 1 and v.shape == c.shape for v, c in zip(values, chunks)):
                     requests.append((g, key))
-                    gathered.append(value.detach())
-        wholes = complete(hvd.grouped_allgather_async(gathered, name=f"hvdp.zero.state{self.suffix}",
-                                                      process_set=self.process_set or hvd.global_process_set)
-                          ) if gathered else []
+                    gathered.append(torch.cat([v.detach() for v in values]))
+        wholes = complete(hvd.grouped_allgather_async(gathered, name="hvdp.zero.state")) if gathered else []
         by_request = dict(zip(requests, wholes))
         state_out: Dict[int, Dict[str, Any]] = {}
-        groups_out = []
-        index = 0
+        groups_out, index = [], 0
         for g, (params, group) in enumerate(zip(self.params, local["param_groups"])):
-            state = local["state"].get(g, {})
-            offset = 0
-            ids = []
-            for p in params:
-                entry = {}
-                for key, value in state.items():
-                    whole = by_request.get((g, key))
-                    entry[key] = value if whole is None else whole[offset:offset + p.numel()].view_as(p).clone()
-                if entry:
-                    state_out[index] = entry
-                ids.append(index)
-                offset += p.numel()
-                index += 1
-            groups_out.append({**group, "params": ids})
-        return {"state": state_out, "param_groups": groups_out}
+            state = local["state"].get(first[g], {})
+            ids = list(range(index, index + len(params)))
+            index += len(params)
+            for i in ids:
+                state_out[i] = {key: value for key, value in state.items() if (g, key) not in by_request}
+            for key in state:
+                if (g, key) in by_request:
+                    for i, view in zip(ids, self.views(by_request[g, key], params)):
+                        state_out[i][key] = view.clone()
+            groups_out.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": {i: entry for i, entry in state_out.items() if entry}, "param_groups": groups_out}
 
     def part_state(self, whole: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's part of ``whole`` (torch's unsharded format), as the parts' state_dict."""
@@ -235,7 +246,11 @@ class Shards:
                 f"and optimizer.")
         state_in = {int(key): value for key, value in whole.get("state", {}).items()}
         state_out: Dict[int, Dict[str, Any]] = {}
-        for g, (params, group) in enumerate(zip(self.params, groups)):
+        groups_out, index = [], 0
+        for g, (params, group, chunks) in enumerate(zip(self.params, groups, self.parts)):
+            ids = list(range(index, index + len(chunks)))
+            index += len(chunks)
+            groups_out.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
             entries = [state_in.get(int(i), {}) for i in group["params"]]
             keys = sorted({key for entry in entries for key in entry})
             if not keys:
@@ -245,15 +260,19 @@ class Shards:
                 raise ValueError(f"hvdp: param group {g} has optimizer state for some parameters only (none or other "
                                  f"keys for parameter {missing[0]}); a sharded optimizer keeps one state per group.")
             start, end = bounds(sum(p.numel() for p in params), self.members, self.index)
-            out: Dict[str, Any] = {}
+            out: List[Dict[str, Any]] = [{} for _ in chunks]
             for key in keys:
                 values = [entry[key] for entry in entries]
                 if all(torch.is_tensor(v) and v.shape == p.shape and v.dim() > 0 for v, p in zip(values, params)):
-                    out[key] = torch.cat([v.reshape(-1) for v in values])[start:end].clone()
-                else:
-                    out[key] = values[0]  # a counter the parameters share (Adam's step)
-            state_out[g] = out
-        groups_out = [{**group, "params": [g]} for g, group in enumerate(groups)]
+                    part = torch.cat([v.reshape(-1) for v in values])[start:end]
+                    offset = 0
+                    for entry, chunk in zip(out, chunks):
+                        entry[key] = part[offset:offset + chunk.numel()].clone()
+                        offset += chunk.numel()
+                else:  # a counter the parameters share (Adam's step)
+                    for entry in out:
+                        entry[key] = values[0].clone() if torch.is_tensor(values[0]) else values[0]
+            state_out.update(zip(ids, out))
         return {"state": state_out, "param_groups": groups_out}
 
 
@@ -284,8 +303,7 @@ class ShardedStep:
         return loss
 
     def synchronize(self) -> None:
-        """Reduce this step's gradients now (``step()`` then does not reduce them again)."""
-        self._hvdp_shards.reduce()
+        self._hvdp_shards.reduce()  # now: step() does not reduce them again
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -296,7 +314,8 @@ class ShardedStep:
         yield  # nothing is reduced before step(): every backward pass accumulates locally
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._hvdp_shards.zero_grad(set_to_none)
+        """Zero the gradients; ``.grad`` stays allocated (a view of the gradient buffer) whatever ``set_to_none``."""
+        self._hvdp_shards.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the reduced gradients to a total norm of ``max_norm`` over the whole model; the norm before.
@@ -307,18 +326,16 @@ class ShardedStep:
         """
         shards = self._hvdp_shards
         shards.reduce()
-        grads = [part.grad for part in shards.parts if part.grad is not None]
+        grads = [chunk.grad for chunks in shards.parts for chunk in chunks if chunk.grad is not None]
         norm_type = float(norm_type)
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() if g.numel() else torch.zeros(()) for g in grads]).max()
-            total = hvd.allreduce(local.reshape(1), op=hvd.Max, name=f"hvdp.zero.norm{shards.suffix}",
-                                  process_set=shards.process_set or hvd.global_process_set)[0]
+            total = hvd.allreduce(local.reshape(1), op=hvd.Max, name="hvdp.zero.norm")[0]
         else:
             local = torch.stack([(g.double().abs() ** norm_type).sum() for g in grads]).sum() if grads else \
                 torch.zeros((), dtype=torch.float64)
             total = hvd.allreduce(local.reshape(1), op=hvd.Sum,
-                                  name=f"hvdp.zero.norm{shards.suffix}",
-                                  process_set=shards.process_set or hvd.global_process_set)[0] ** (1.0 / norm_type)
+                                  name="hvdp.zero.norm")[0] ** (1.0 / norm_type)
         coefficient = float(max_norm) / (float(total) + 1e-6)
         if coefficient < 1.0:
             for g in grads:
@@ -337,10 +354,10 @@ class ShardedStep:
         shards.lay_out(loading=True)
         groups, state = self.param_groups, self.state
         super().load_state_dict(shards.part_state(state_dict))  # type: ignore[misc]
-        for old, new, part in zip(groups, self.param_groups, shards.parts):
+        for old, new, chunks in zip(groups, self.param_groups, shards.parts):
             old.clear()
             old.update(new)
-            old["params"] = [part]
+            old["params"] = chunks
         loaded = self.state
         if loaded is not state:
             state.clear()
@@ -350,8 +367,8 @@ class ShardedStep:
 
 
 def shard(optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, compression: str, prescale: float,
-          postscale: float, process_set: Any) -> torch.optim.Optimizer:
-    """``optimizer`` sharded over the ranks of ``process_set`` (module docstring): same class name and isinstance."""
+          postscale: float) -> torch.optim.Optimizer:
+    """``optimizer`` sharded over the job's ranks (module docstring): same class name and isinstance."""
     check_optimizer(optimizer)
     existing = optimizer.state_dict() if optimizer.state else None
     cls = type(type(optimizer).__name__, (ShardedStep, type(optimizer)), {"__module__": type(optimizer).__module__})
@@ -359,7 +376,7 @@ def shard(optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, comp
     sharded.__dict__ = optimizer.__dict__  # one object's state: a scheduler made on the original drives both
     if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
         del optimizer.__dict__["step"]  # a scheduler's wrapper of the original's step, which would bypass the parts
-    shards = Shards(optimizer, names, op, compression, prescale, postscale, process_set)
+    shards = Shards(optimizer, names, op, compression, prescale, postscale)
     sharded._hvdp_shards = shards
     shards.lay_out()
     if existing is not None:

@@ -19,6 +19,9 @@ Sections:
 * ``breakdown``: where each ``hvdp.allreduce`` call's time goes (Python, allocation, cycle wait,
   negotiation, copies, transport), beside Horovod's in-place op, under Gloo and MPI
   (:mod:`hvdp.bench.breakdown`).
+* ``sharded``: Adam with hvdp's ``shard_optimizer_state`` beside hvdp unsharded and torch's
+  ``ZeroRedundancyOptimizer`` under DDP, at np=1 and np=2: step time, optimizer-state bytes and
+  peak RSS of every rank.
 
 Example:
     >>> # hvdp bench --quick --json bench.json --plot bench.png
@@ -69,14 +72,15 @@ DESCRIPTION = """\
 Measure hvdp side by side with plain Horovod, DistributedDataParallel,
 MultiWorkerMirroredStrategy, mpi4py and torch.distributed, on this machine,
 in real multi-process jobs, and print one table of the figures.
-Takes about 25 min (the full run) or about 3 min (--quick) on 2 cores."""
+Takes about 35 min (the full run) or about 5 min (--quick) on 2 cores."""
 #: What ``hvdp bench --help`` says below the options.
 EPILOG = """examples:
   hvdp bench --quick                               every kind of comparison, 2 rounds (about 3 min)
   hvdp bench --smoke                               every contender once, 3 steps: does it run (CI)
   hvdp bench --only allreduce --json ar.json       one section, every figure written to ar.json
   hvdp bench --only breakdown --breakdown 4K,64M   an allreduce call's time, by phase (1 min)
-  hvdp bench --json bench.json --plot bench.png    the full run, with a plot (about 25 min)"""
+  hvdp bench --only sharded                        sharded Adam: time, memory per rank (10 min)
+  hvdp bench --json bench.json --plot bench.png    the full run, with a plot (about 35 min)"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from hvdp.errors import BenchError
 from hvdp.frameworks import SPECS
 from hvdp.launch import defaults
 
-SECTIONS = ("overhead", "native", "allreduce", "scaling", "breakdown")
+SECTIONS = ("overhead", "native", "allreduce", "scaling", "breakdown", "sharded")
 #: The allocator settings hvdp run gives local jobs (:mod:`hvdp.launch.defaults`), given to DDP/MWMS too
 #: in the full run.
 MALLOC_SETTINGS = (("MALLOC_MMAP_THRESHOLD_", defaults.MALLOC_MMAP_THRESHOLD),
@@ -56,6 +56,8 @@ class Contender:
     task: str = "train"
     env: Dict[str, str] = field(default_factory=dict)  # set as if by the user (overrides hvdp's defaults)
     form: str = "new"  # allreduce task, hvdp: "new" (a result tensor per call) or "out" (out=, in place)
+    optimizer: str = "sgd"  # train task: "sgd" (momentum 0.9) or "adam"
+    shard: bool = False  # train task: hvdp shard_optimizer_state=True; ddp: torch's ZeroRedundancyOptimizer
 
 
 @dataclass
@@ -208,4 +210,18 @@ def plan(settings: Settings) -> List[Group]:
         groups.append(Group("breakdown", [
             Contender(f"allreduce breakdown ({ctl})", "hvdp", np=2, controller=ctl, task="breakdown")
             for ctl in ("gloo", "mpi")], rounds=1))
+    if "sharded" in sections:
+        # Adam's state sharded (hvdp shard_optimizer_state, torch's ZeroRedundancyOptimizer under DDP) beside
+        # hvdp unsharded, at np=1 and np=2: step time, optimizer-state bytes and peak RSS per rank.
+        for model in ("cnn",) if quick else ("cnn", "mlp", "resnet18"):
+            people = []
+            for np_ in (1, 2):
+                tag = f"torch/{model} adam np={np_}"
+                people += [Contender(f"hvdp {tag}", "hvdp", "torch", np_, "gloo", "one-thread", model,
+                                     optimizer="adam"),
+                           Contender(f"hvdp sharded {tag}", "hvdp", "torch", np_, "gloo", "one-thread", model,
+                                     optimizer="adam", shard=True),
+                           Contender(f"ddp ZeroRedundancyOptimizer {tag}", "ddp", "torch", np_, "gloo", "one-thread",
+                                     model, optimizer="adam", shard=True)]
+            groups.append(Group(f"sharded torch/{model}", people))
     return groups

@@ -60,7 +60,15 @@ def summarize(groups: List[Group], settings: Settings) -> dict:
                 "examples_per_second": contender.np * settings.batch / step,
                 "cpu_seconds_per_step": median(cpu) if cpu else None,
             }
+            memory = [rec["memory"] for rec in records if "memory" in rec]
+            if memory:  # state bytes are the same every run; peak RSS per rank, the median of the runs
+                figures["contenders"][contender.label].update({
+                    "state_bytes_per_rank": memory[-1]["state_bytes"],
+                    "peak_rss_bytes_per_rank": [median([m["peak_rss_bytes"][r] for m in memory])
+                                                for r in range(len(memory[-1]["peak_rss_bytes"]))]})
         figures["ratios"] = _ratios(group, figures["contenders"])
+        if group.name.startswith("sharded"):
+            figures["ratios"] = _sharded(group, figures["contenders"])
         if group.name.startswith("scaling"):
             results["scaling"] = _scaling(group, figures["contenders"])
         results["groups"].append(figures)
@@ -81,6 +89,25 @@ def _scaling(group: Group, contenders: Dict[str, dict]) -> dict:
     if ddp:
         figures["ddp"] = ddp
     return figures
+
+
+def _sharded(group: Group, contenders: Dict[str, dict]) -> Dict[str, float]:
+    """Per np: hvdp sharded's step time over hvdp unsharded's and ZeroRedundancyOptimizer's, and its
+    largest state and peak RSS per rank over unsharded's."""
+    out: Dict[str, float] = {}
+    for np_ in sorted({c.np for c in group.contenders}):
+        role = {("hvdp" if c.impl == "hvdp" else "zero") + (" sharded" if c.shard and c.impl == "hvdp" else ""):
+                contenders[c.label] for c in group.contenders if c.np == np_}
+        sharded, whole, zero = role.get("hvdp sharded"), role.get("hvdp"), role.get("zero")
+        if sharded and whole:
+            out[f"sharded/unsharded step np={np_}"] = ratio(sharded["step_seconds"], whole["step_seconds"])
+        if sharded and zero:
+            out[f"sharded/ZeroRedundancyOptimizer step np={np_}"] = ratio(sharded["step_seconds"],
+                                                                          zero["step_seconds"])
+        for key, name in (("state_bytes_per_rank", "state"), ("peak_rss_bytes_per_rank", "peak RSS")):
+            if sharded and whole and sharded.get(key) and whole.get(key):
+                out[f"{name} per rank sharded/unsharded np={np_}"] = ratio(max(sharded[key]), max(whole[key]))
+    return out
 
 
 def _ratios(group: Group, contenders: Dict[str, dict]) -> Dict[str, float]:
@@ -171,6 +198,17 @@ def targets(results: dict, settings: Settings) -> List[Target]:
     found.append(Target("hvdp.allreduce latency at 4 KB / torch.distributed, under Gloo",
                         allreduce_ratio(sweep, "hvdp.allreduce (gloo)", "torch.distributed all_reduce (gloo)",
                                         4096, of="seconds"), "<=", 2.0))
+    def sharded(key: str) -> Optional[float]:
+        values = [g["ratios"][key] for g in results["groups"] if g["name"].startswith("sharded")
+                  and key in g["ratios"]]
+        return max(values) if values else None
+
+    found.append(Target("sharded Adam state per rank / unsharded, np=2 (worst model)",
+                        sharded("state per rank sharded/unsharded np=2"), "<=", 0.525, "1/2 within 5%"))
+    found.append(Target("sharded/unsharded step time, Adam np=2 (worst model)",
+                        sharded("sharded/unsharded step np=2"), "<=", 1.05))
+    found.append(Target("sharded/ZeroRedundancyOptimizer step time, Adam np=2 (worst model)",
+                        sharded("sharded/ZeroRedundancyOptimizer step np=2"), "<=", 1.0))
     scaling = results.get("scaling") or {}
     ddp = scaling.get("ddp")
     note = "" if scaling.get("model", "resnet18") == "resnet18" else "target is on resnet18"
@@ -193,6 +231,10 @@ def format_table(results: dict) -> str:
             cpu_text = f"  CPU {cpu * 1e3:6.1f} ms" if cpu is not None else ""
             lines.append(f"  {label:<50} {fig['step_seconds'] * 1e3:8.1f} ms  {fig['examples_per_second']:8.1f} ex/s"
                          f"{cpu_text}   runs: {runs}")
+            if fig.get("state_bytes_per_rank"):
+                state = " ".join(f"{b / 2 ** 20:.2f}" for b in fig["state_bytes_per_rank"])
+                rss = " ".join(f"{b / 2 ** 20:.0f}" for b in fig["peak_rss_bytes_per_rank"])
+                lines.append(f"  {'':<50} optimizer state MB per rank: {state}; peak RSS MB per rank: {rss}")
         for key, value in group["ratios"].items():
             lines.append(f"  ratio {key:<44} {value:8.3f}")
         lines.append("")

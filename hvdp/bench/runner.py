@@ -76,6 +76,8 @@ def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str
     worker = ["--impl", contender.impl, "--framework", contender.framework, "--model", contender.model,
               "--batch", str(settings.batch), "--warmup", str(settings.warmup), "--steps", str(settings.steps),
               "--out", out]
+    if contender.optimizer != "sgd" or contender.shard:
+        worker += ["--optimizer", contender.optimizer] + (["--shard"] if contender.shard else [])
     if contender.task == "allreduce":
         worker = ["--impl", contender.impl, "--sizes", ",".join(map(str, settings.sweep_bytes)),
                   "--budget", str(settings.allreduce_budget), "--form", contender.form, "--out", out]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import resource
 import time
-from typing import Callable, List
+from typing import Any, Callable, Dict, List
 
 #: Synthetic batches per rank, cycled through (enough to defeat caching, small in memory).
 POOL = 4
@@ -12,6 +12,15 @@ POOL = 4
 
 #: CPU seconds (all threads of this process, user + system) per measured step, set by timed_steps.
 CPU_PER_STEP: List[float] = []
+
+
+#: What a train task measured of memory, every rank's (``state_bytes``, ``peak_rss_bytes``), when it was asked to.
+MEMORY: Dict[str, Any] = {}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _cpu_seconds() -> float:

@@ -4,7 +4,7 @@ processes only)."""
 from __future__ import annotations
 
 import os
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -61,34 +61,45 @@ def _resnet18() -> Any:
     return nn.Sequential(*layers)
 
 
-def train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tuple[int, int, List[float]]:
-    """Train ``model_name`` under ``impl`` (hvdp, horovod, ddp, single); (rank, size, seconds per measured step)."""
+def train(impl: str, model_name: str, batch: int, warmup: int, steps: int, optimizer: str = "sgd",
+          shard: bool = False) -> Tuple[int, int, List[float]]:
+    """Train ``model_name`` under ``impl`` (hvdp, horovod, ddp, single); (rank, size, seconds per measured step).
+
+    ``optimizer`` "adam" or ``shard`` (hvdp's shard_optimizer_state, DDP with torch's ZeroRedundancyOptimizer)
+    also measure memory: every rank's optimizer-state bytes and peak RSS, in :data:`timing.MEMORY`.
+    """
     import torch.nn.functional as F  # noqa: N812
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     model = build_model(model_name)
-    optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer_class: Any = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
+    options: Dict[str, Any] = {"lr": 1e-3} if optimizer == "adam" else {"lr": 0.01, "momentum": 0.9}
+    opt: Any = None if impl == "ddp" and shard else optimizer_class(model.parameters(), **options)
     if impl == "hvdp":
         import hvdp
 
         hvdp.init(framework="torch")
         rank, size = hvdp.rank(), hvdp.size()
-        optimizer = hvdp.DistributedOptimizer(optimizer, model)
-        hvdp.broadcast_state(model, optimizer)
+        opt = hvdp.DistributedOptimizer(opt, model, shard_optimizer_state=shard)
+        hvdp.broadcast_state(model, opt)
     elif impl == "horovod":
         import horovod.torch as hvd
 
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
     elif impl == "ddp":
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
         model = torch.nn.parallel.DistributedDataParallel(model)
+        if shard:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, **options)
     elif impl == "single":
         rank, size = 0, 1
     else:
@@ -97,18 +108,38 @@ def train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tu
     x, y = torch.from_numpy(xs), torch.from_numpy(ys)
 
     def step(i: int) -> None:
-        optimizer.zero_grad()
+        opt.zero_grad()
         loss = F.cross_entropy(model(x[i % timing.POOL]), y[i % timing.POOL])
         loss.backward()
-        optimizer.step()
+        opt.step()
 
     times = timing.timed_steps(step, warmup, steps)
+    if optimizer != "sgd" or shard:
+        timing.MEMORY.update(_memory(impl, getattr(opt, "optim", opt)))
     if impl == "ddp":
         import torch.distributed as dist
 
         dist.barrier()
         dist.destroy_process_group()
     return rank, size, times
+
+
+def _memory(impl: str, optimizer: Any) -> dict:
+    """Every rank's optimizer-state bytes (the tensors in ``optimizer.state``) and peak RSS, gathered to all."""
+    mine = (sum(v.numel() * v.element_size() for entry in optimizer.state.values() for v in entry.values()
+                if torch.is_tensor(v)), timing.peak_rss_bytes())
+    if impl == "hvdp":
+        import hvdp
+
+        every = hvdp.allgather_object(mine)
+    elif impl == "ddp":
+        import torch.distributed as dist
+
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    else:
+        every = [mine]
+    return {"state_bytes": [int(e[0]) for e in every], "peak_rss_bytes": [int(e[1]) for e in every]}
 
 
 def _clock_offset_ns() -> int:

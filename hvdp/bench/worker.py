@@ -152,13 +152,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--form", default="new", choices=("new", "out"), help="allreduce: hvdp's call form")
     parser.add_argument("--calls", type=int, default=20, help="breakdown: timed calls per size and variant (most)")
     parser.add_argument("--timeline", help="breakdown: where rank 0 writes Horovod's timeline (default: --out's)")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"), help="train: the optimizer")
+    parser.add_argument("--shard", action="store_true",
+                        help="train: hvdp's shard_optimizer_state=True (ddp: torch's ZeroRedundancyOptimizer)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.task == "train":
         bench = per_framework.load(args.framework)
-        rank, size, times = bench.train(args.impl, args.model, args.batch, args.warmup, args.steps)
+        options = {"optimizer": args.optimizer, "shard": True} if args.shard else \
+            {"optimizer": args.optimizer} if args.optimizer != "sgd" else {}
+        rank, size, times = bench.train(args.impl, args.model, args.batch, args.warmup, args.steps, **options)
         record: dict = {"rank": rank, "size": size, "batch": args.batch, "step_seconds": times,
                         "cpu_seconds_per_step": timing.CPU_PER_STEP[0]}
+        if timing.MEMORY:
+            record["memory"] = dict(timing.MEMORY)
     elif args.task == "breakdown":
         from hvdp.bench import torch_bench
 

@@ -23,6 +23,9 @@ GROUPS = {
                             "hvdp/hvdp HVDP_EARLY_WAKE=0"},
     "tensorflow/cnn np=2 gloo": {"hvdp/mwms", "hvdp/horovod defaults", "hvdp/hvdp HVDP_EARLY_WAKE=0"},
     "scaling torch/cnn": set(),
+    "sharded torch/cnn": {f"{name} np={n}" for n in (1, 2) for name in (
+        "sharded/unsharded step", "sharded/ZeroRedundancyOptimizer step", "state per rank sharded/unsharded",
+        "peak RSS per rank sharded/unsharded")},
 }
 SWEEP = ["hvdp.allreduce (gloo)", "hvdp.allreduce out= (gloo)", "mpi4py Allreduce",
          "torch.distributed all_reduce (gloo)"]
@@ -32,7 +35,10 @@ MEASURED = {"hvdp/horovod step time, same knobs, torch (worst group)",
             "hvdp/horovod step time, hvdp defaults, tensorflow (worst group)",
             "hvdp/DDP step time, torch/cnn np=2", "hvdp/MultiWorkerMirrored step time, tensorflow/cnn np=2",
             "hvdp.allreduce out= algbw at 64 MB / torch.distributed, under Gloo",
-            "hvdp.allreduce latency at 4 KB / torch.distributed, under Gloo"}
+            "hvdp.allreduce latency at 4 KB / torch.distributed, under Gloo",
+            "sharded Adam state per rank / unsharded, np=2 (worst model)",
+            "sharded/unsharded step time, Adam np=2 (worst model)",
+            "sharded/ZeroRedundancyOptimizer step time, Adam np=2 (worst model)"}
 
 
 def _numbers(tree):
@@ -95,6 +101,24 @@ def test_allreduce_sweep_and_breakdown_have_every_contender_and_size(smoke):
             for by_rank in by_size.values():
                 assert sorted(by_rank) == ["0", "1"], (run["controller"], variant)
                 assert all(r["calls"] >= 3 and positive(r["median_us"]["call"]) for r in by_rank.values()), by_rank
+
+
+def test_sharded_section_measures_every_ranks_optimizer_state_and_peak_rss(smoke):
+    """Adam's state at np=2: hvdp's sharded ranks hold half of the unsharded state each (its flat split is
+    even to the element); torch's ZeroRedundancyOptimizer's ranks hold whole parameters. These bytes are
+    exact, not timings: they are asserted."""
+    stdout, data, _ = smoke
+    group = next(g for g in data["groups"] if g["name"] == "sharded torch/cnn")
+    figures = group["contenders"]
+    for label, fig in figures.items():
+        assert len(fig["state_bytes_per_rank"]) == fig["np"] == len(fig["peak_rss_bytes_per_rank"]), label
+        assert all(positive(b) for b in fig["state_bytes_per_rank"] + fig["peak_rss_bytes_per_rank"]), label
+    whole = figures["hvdp torch/cnn adam np=2"]["state_bytes_per_rank"]
+    sharded = figures["hvdp sharded torch/cnn adam np=2"]["state_bytes_per_rank"]
+    assert whole[0] == whole[1] and all(abs(b - whole[0] / 2) <= 64 for b in sharded), (whole, sharded)
+    zero = figures["ddp ZeroRedundancyOptimizer torch/cnn adam np=2"]["state_bytes_per_rank"]
+    assert abs(sum(zero) - whole[0]) <= 256, (zero, whole)
+    assert "optimizer state MB per rank" in stdout
 
 
 def test_targets_table_and_plot(smoke):

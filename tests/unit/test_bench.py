@@ -52,7 +52,7 @@ def test_smoke_runs_every_quick_contender_once_at_a_few_steps():
     assert (smoke.mode, smoke.rounds, smoke.steps, smoke.warmup) == ("smoke", 1, 3, 1)
     assert smoke.sweep_bytes == (4096, 64 << 20) and smoke.breakdown_calls < quick.breakdown_calls
     labels = [[c.label for c in g.contenders] for g in bench.plan(smoke)]
-    assert labels == [[c.label for c in g.contenders] for g in bench.plan(quick)] and len(labels) == 5
+    assert labels == [[c.label for c in g.contenders] for g in bench.plan(quick)] and len(labels) == 6
     assert bench.make_settings(False, None, 5, None, None, smoke=True).steps == 5  # overrides still apply
 
 
@@ -78,6 +78,9 @@ def test_quick_plan_touches_every_section_and_alternates():
     assert any(g.name.startswith("scaling") for g in groups) and any(g.name == "allreduce" for g in groups)
     torch_cnn = next(g for g in groups if g.name == "torch/cnn np=2 gloo")
     assert [c.env for c in torch_cnn.contenders if c.impl == "hvdp"] == [{}, {"HVDP_EARLY_WAKE": "0"}]
+    sharded = next(g for g in groups if g.name == "sharded torch/cnn")
+    assert [(c.impl, c.np, c.shard, c.optimizer) for c in sharded.contenders] == [
+        (impl, n, shard, "adam") for n in (1, 2) for impl, shard in (("hvdp", False), ("hvdp", True), ("ddp", True))]
     sweep = next(g for g in groups if g.name == "allreduce")
     assert [c.form for c in sweep.contenders if c.impl == "hvdp"] == ["new", "out"]
     only = bench.plan(bench.make_settings(True, None, None, None, "native"))
@@ -241,6 +244,34 @@ def test_summary_ratios_targets_table_and_json():
     table = bench.format_table(results)
     assert "ratio hvdp/horovod defaults" in table and "PASS" in table and "MISS" in table and "64 MB" in table
     assert json.loads(json.dumps(results)) == results
+
+
+def test_sharded_section_ratios_memory_and_targets():
+    """Per np: sharded step over unsharded's and ZeroRedundancyOptimizer's; the largest state and peak RSS per
+    rank over unsharded's; the table prints every rank's memory."""
+    people = [Contender(f"{who} np={n}", impl, np=n, knobs="one-thread", optimizer="adam", shard=shard)
+              for n in (1, 2) for who, impl, shard in (("hvdp", "hvdp", False), ("sharded", "hvdp", True),
+                                                       ("zero", "ddp", True))]
+    group = Group("sharded torch/cnn", people)
+    steps = {"hvdp": 0.1, "sharded": 0.102, "zero": 0.11}
+    state = {("hvdp", 2): [400, 400], ("sharded", 2): [200, 200], ("zero", 2): [360, 40]}
+    for c in people:
+        who, n = c.label.split()[0], c.np
+        record = {"size": n, "step_seconds": [steps[who]] * 3,
+                  "memory": {"state_bytes": state.get((who, n), [400]), "peak_rss_bytes": [2 ** 30] * n}}
+        group.runs[c.label] = [record, record]
+    results = bench.summarize([group], Settings(rounds=2))
+    ratios = results["groups"][0]["ratios"]
+    assert ratios == pytest.approx({
+        "sharded/unsharded step np=1": 1.02, "sharded/ZeroRedundancyOptimizer step np=1": 0.102 / 0.11,
+        "state per rank sharded/unsharded np=1": 1.0, "peak RSS per rank sharded/unsharded np=1": 1.0,
+        "sharded/unsharded step np=2": 1.02, "sharded/ZeroRedundancyOptimizer step np=2": 0.102 / 0.11,
+        "state per rank sharded/unsharded np=2": 0.5, "peak RSS per rank sharded/unsharded np=2": 1.0})
+    status = {t["name"]: (t["status"], t["value"]) for t in results["targets"]}
+    assert status["sharded Adam state per rank / unsharded, np=2 (worst model)"] == ("PASS", pytest.approx(0.5))
+    assert status["sharded/unsharded step time, Adam np=2 (worst model)"] == ("PASS", pytest.approx(1.02))
+    assert status["sharded/ZeroRedundancyOptimizer step time, Adam np=2 (worst model)"][0] == "PASS"
+    assert "optimizer state MB per rank: 0.00 0.00; peak RSS MB per rank: 1024 1024" in bench.format_table(results)
 
 
 def test_plot_writes_png(tmp_path):

@@ -190,7 +190,16 @@ def refusals(rank: int) -> dict:
         loss_of(moved, torch.ones(2, FEATURES), torch.zeros(2, dtype=torch.long)).backward()
         opt.step()
 
+    def amp_step() -> None:  # GradScaler looks for the reduced gradients before step() makes them
+        amp_model = make_model(0)
+        amp_opt = hvdp.DistributedOptimizer(torch.optim.SGD(amp_model.parameters(), lr=0.1), amp_model,
+                                            shard_optimizer_state=True)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(loss_of(amp_model, torch.ones(2, FEATURES), torch.zeros(2, dtype=torch.long))).backward()
+        scaler.step(amp_opt)
+
     return {
+        "grad_scaler": refusal(amp_step),
         "lbfgs": refusal(lambda: hvdp.DistributedOptimizer(torch.optim.LBFGS(params), model,
                                                            shard_optimizer_state=True)),
         "adasum": refusal(lambda: hvdp.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), model, op="adasum",
@@ -203,11 +212,25 @@ def refusals(rank: int) -> dict:
             torch.optim.SGD([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2).double())],
                             lr=0.1), None, shard_optimizer_state=True)),
         "moved_parameter": refusal(step_moved),
+        "join": refusal(lambda: hvdp.join(moved, opt)),
+        "process_set": refusal(lambda: hvdp.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), model,
+                                                                 process_set=hvdp.ProcessSet([0]),
+                                                                 shard_optimizer_state=True)),
+        "elastic": refusal(lambda: hvdp.elastic.State(moved, opt, epoch=0)),
         "after": hvdp.allreduce(1.0, op="sum"),  # the job still works
     }
 
 
+def small_chunks() -> None:
+    """Parts in chunks of 100 elements, so that a rank's part of the 697-element group is several parameters
+    of the optimizer (and the 136-element group one), as a large model's are."""
+    from hvdp.backends import torch_sharded
+
+    torch_sharded.CHUNK = 100
+
+
 def run(rank: int, size: int) -> dict:
+    small_chunks()
     return {"equivalence": equivalence(rank, size), "checkpoints": checkpoints(rank, size),
             "refusals": refusals(rank)}
 
@@ -215,6 +238,7 @@ def run(rank: int, size: int) -> dict:
 def resume(rank: int, size: int, path: str) -> dict:
     """Load a checkpoint (saved at another number of ranks) into a sharded Adam at ``size`` ranks and continue:
     the model one process reaches continuing from the same file on the whole batch."""
+    small_chunks()
     rest = batches(2 * STEPS)[STEPS:]
     ref_model = continued_reference(path, rest, size)
     model = make_model(100 + rank)
