@@ -228,7 +228,8 @@ class Shards:
             ids = list(range(index, index + len(params)))
             index += len(params)
             for i in ids:
-                state_out[i] = {key: value for key, value in state.items() if (g, key) not in by_request}
+                state_out[i] = {key: value.clone() if torch.is_tensor(value) else value  # one counter each
+                                for key, value in state.items() if (g, key) not in by_request}
             for key in state:
                 if (g, key) in by_request:
                     for i, view in zip(ids, self.views(by_request[g, key], params)):

@@ -248,8 +248,9 @@ def test_sharded_clip_grad_norm_clips_the_global_gradient(torch_job):
 
 def test_sharded_checkpoints_load_unsharded_and_back_and_continue_as_one_process(torch_job):
     for rank in sharded(torch_job, "checkpoints"):
-        for case in ("sharded_to_whole", "whole_to_sharded", "sharded_to_sharded"):
+        for case in ("sharded_to_whole", "whole_to_sharded", "sharded_to_sharded", "state_dict_to_one_process"):
             assert rank[case]["close"] and rank[case]["extras"] == {"step": 5}, (case, rank[case])
+        assert rank["state_dict_to_one_process"]["steps"] == [10], rank["state_dict_to_one_process"]
         assert rank["sharded_to_whole"]["state_elements"] > rank["whole_to_sharded"]["state_elements"] * 1.9
 
 

@@ -176,6 +176,23 @@ def checkpoints(rank: int, size: int) -> dict:
         out[f"{'sharded' if saved else 'whole'}_to_{'sharded' if loaded else 'whole'}"] = {
             **compare(flat(fresh), flat(ref_model)), "digest": digest(flat(fresh)), "extras": extras,
             "state_elements": state_elements(again)}
+    # In memory, no file: the gathered state_dict() into one plain torch optimizer, which continues alone on
+    # the whole batch (each parameter must get a step counter of its own).
+    model, opt, _ = sharded_run("adam", "average", first, rank, size)
+    alone = make_model(0)
+    alone.load_state_dict(model.state_dict())
+    alone_opt = OPTIMIZERS["adam"](two_groups(alone))
+    alone_opt.load_state_dict(opt.state_dict())
+    schedule = torch.optim.lr_scheduler.StepLR(alone_opt, step_size=2, gamma=0.5)
+    schedule.last_epoch = STEPS
+    for x, y in rest:
+        alone_opt.zero_grad()
+        (sum(loss_of(alone, x[r::size], y[r::size]) for r in range(size)) / size).backward()
+        alone_opt.step()
+        schedule.step()
+    out["state_dict_to_one_process"] = {**compare(flat(alone), flat(ref_model)), "extras": {"step": STEPS},
+                                        "steps": sorted({int(e["step"]) for e in alone_opt.state.values()}),
+                                        "state_elements": state_elements(alone_opt)}
     return out
 
 
