@@ -345,9 +345,8 @@ class ShardedStep:
 
     def state_dict(self) -> Dict[str, Any]:
         """The whole optimizer state, every rank's part gathered (call it on every rank), in torch's format."""
-        shards = self._hvdp_shards
-        shards.lay_out()
-        return shards.whole_state(super().state_dict())  # type: ignore[misc]
+        self._hvdp_shards.lay_out()
+        return self._hvdp_shards.whole_state(super().state_dict())  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Take this rank's part of a whole state (from ``state_dict()`` at any world size, or unsharded)."""

@@ -189,7 +189,15 @@ def run_groups(groups: List[Group], settings: Settings, environ: Mapping[str, st
         def one(item: Tuple[Group, int, Contender]) -> dict:
             group, r, contender = item
             start = time.monotonic()
-            record = runner(contender, settings, Path(tmp), environ, cpu_count)
+            try:
+                record = runner(contender, settings, Path(tmp), environ, cpu_count)
+            except BenchError as exc:
+                # A smoke run proves that each contender runs: one that hung (its stacks printed here) gets
+                # one more start; a second hang fails the run. Measuring runs never retry.
+                if settings.mode != "smoke" or "still running after" not in str(exc):
+                    raise
+                progress(f"[{group.name}] {exc}\n[{group.name}] {contender.label}: hung; starting it once more")
+                record = runner(contender, settings, Path(tmp), environ, cpu_count)
             progress(f"[{group.name}] round {r + 1}/{group.rounds or settings.rounds}  {contender.label:<48} "
                      f"{_brief(record)}  ({time.monotonic() - start:.0f} s)")
             return record

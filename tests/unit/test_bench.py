@@ -103,6 +103,29 @@ def test_quick_plan_touches_every_section_and_alternates():
     assert order == ["A", "B", "A", "B"]
 
 
+@pytest.mark.parametrize("mode, hangs, outcome", [("smoke", 1, "retried"), ("smoke", 2, "fails"),
+                                                  ("quick", 1, "fails")])
+def test_a_smoke_run_starts_a_hung_contender_once_more_and_a_measuring_run_never(mode, hangs, outcome):
+    calls, lines = [], []
+
+    def hanging(contender, settings_, workdir, environ, cpus):
+        calls.append(contender.label)
+        if len(calls) <= hangs:
+            raise BenchError(f"{contender.label}: the job was still running after 180 s, so it was stopped")
+        return {"rank": 0, "size": 2, "batch": 32, "step_seconds": [0.1]}
+
+    group = Group("g", [Contender("A", "ddp")])
+    settings = Settings(mode=mode, rounds=1)
+    if outcome == "fails":
+        with pytest.raises(BenchError, match="still running after 180 s"):
+            bench.run_groups([group], settings, {}, 2, lines.append, runner=hanging)
+        assert calls == ["A"] * min(hangs, 2 if mode == "smoke" else 1)
+    else:
+        bench.run_groups([group], settings, {}, 2, lines.append, runner=hanging)
+        assert calls == ["A", "A"] and len(group.runs["A"]) == 1
+        assert "still running after 180 s" in lines[0] and "A: hung; starting it once more" in lines[0]
+
+
 @pytest.mark.parametrize("mode, most", [("smoke", bench.SMOKE_JOBS_AT_ONCE), ("quick", 1)])
 def test_a_smoke_run_keeps_two_jobs_going_and_records_them_in_plan_order(mode, most):
     """--smoke measures nothing, so its jobs overlap (two at a time); every other mode runs one at a time."""
