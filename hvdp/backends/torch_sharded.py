@@ -14,7 +14,7 @@ collective), and ``load_state_dict`` takes one saved at any number of ranks, or 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -41,15 +41,17 @@ def bounds(total: int, members: int, index: int) -> Tuple[int, int]:
     return start, start + share + (index < extra)
 
 
-def load_state_keeping_objects(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:
-    """``optimizer.load_state_dict(state_dict)``, keeping the optimizer's ``state`` and param-group objects.
+def load_state_keeping_objects(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any],
+                               load: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+    """``optimizer.load_state_dict(state_dict)`` (or ``load(state_dict)``), keeping the optimizer's ``state``
+    and param-group objects.
 
     torch's ``load_state_dict`` replaces them with new ones; a learning-rate scheduler
     (or the original optimizer a :func:`hvdp.DistributedOptimizer` shares them with)
     holds the old ones and would stop driving this optimizer.
     """
     groups, state = optimizer.param_groups, optimizer.state
-    optimizer.load_state_dict(state_dict)
+    (load or optimizer.load_state_dict)(state_dict)
     for old, new in zip(groups, optimizer.param_groups):
         if old is not new:
             old.clear()
@@ -164,8 +166,8 @@ class Shards:
         sent = [g.half() if self.compression == "fp16" and g.is_floating_point() else g for g in self.grads]
         scale = self.prescale * self.postscale
         if self.members == 1:  # one rank: its part is the whole buffer, and the reduction its own gradient
-            if scale != 1.0 or sent[0] is not self.grads[0]:
-                for grads, one in zip(self.grads, sent):
+            for grads, one in zip(self.grads, sent):
+                if one is not grads or scale != 1.0:
                     grads.copy_(one * scale)
         else:
             reduced = complete(hvd.grouped_reducescatter_async(
@@ -352,17 +354,7 @@ class ShardedStep:
         """Take this rank's part of a whole state (from ``state_dict()`` at any world size, or unsharded)."""
         shards = self._hvdp_shards
         shards.lay_out(loading=True)
-        groups, state = self.param_groups, self.state
-        super().load_state_dict(shards.part_state(state_dict))  # type: ignore[misc]
-        for old, new, chunks in zip(groups, self.param_groups, shards.parts):
-            old.clear()
-            old.update(new)
-            old["params"] = chunks
-        loaded = self.state
-        if loaded is not state:
-            state.clear()
-            state.update(loaded)
-        self.param_groups, self.state = groups, state
+        load_state_keeping_objects(self, shards.part_state(state_dict), super().load_state_dict)  # type: ignore
         shards.loaded = state_dict
 
 

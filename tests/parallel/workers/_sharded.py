@@ -179,17 +179,7 @@ def checkpoints(rank: int, size: int) -> dict:
     # In memory, no file: the gathered state_dict() into one plain torch optimizer, which continues alone on
     # the whole batch (each parameter must get a step counter of its own).
     model, opt, _ = sharded_run("adam", "average", first, rank, size)
-    alone = make_model(0)
-    alone.load_state_dict(model.state_dict())
-    alone_opt = OPTIMIZERS["adam"](two_groups(alone))
-    alone_opt.load_state_dict(opt.state_dict())
-    schedule = torch.optim.lr_scheduler.StepLR(alone_opt, step_size=2, gamma=0.5)
-    schedule.last_epoch = STEPS
-    for x, y in rest:
-        alone_opt.zero_grad()
-        (sum(loss_of(alone, x[r::size], y[r::size]) for r in range(size)) / size).backward()
-        alone_opt.step()
-        schedule.step()
+    alone, alone_opt = continue_alone(model.state_dict(), opt.state_dict(), rest, size)
     out["state_dict_to_one_process"] = {**compare(flat(alone), flat(ref_model)), "extras": {"step": STEPS},
                                         "steps": sorted({int(e["step"]) for e in alone_opt.state.values()}),
                                         "state_elements": state_elements(alone_opt)}
@@ -278,10 +268,18 @@ def continued_reference(path: str, data: list, size: int) -> torch.nn.Module:
     from hvdp import checkpoint
 
     arrays, state, _ = checkpoint.read(path, "torch")
+    model, _ = continue_alone({name: torch.from_numpy(np.array(a)) for name, a in arrays.items()}, _tensors(state),
+                              data, size)
+    return model
+
+
+def continue_alone(weights: Dict[str, Any], state: Dict[str, Any], data: list, size: int) -> tuple:
+    """One process from ``weights`` and a whole optimizer ``state`` saved after STEPS steps, stepping on the
+    whole batch of ``data`` (``size`` slices, their losses averaged): (model, optimizer)."""
     model = make_model(0)
-    model.load_state_dict({name: torch.from_numpy(np.array(array)) for name, array in arrays.items()})
+    model.load_state_dict(weights)
     opt = OPTIMIZERS["adam"](two_groups(model))
-    opt.load_state_dict(_tensors(state))
+    opt.load_state_dict(state)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     schedule.last_epoch = STEPS
     for x, y in data:
@@ -289,7 +287,7 @@ def continued_reference(path: str, data: list, size: int) -> torch.nn.Module:
         (sum(loss_of(model, x[r::size], y[r::size]) for r in range(size)) / size).backward()
         opt.step()
         schedule.step()
-    return model
+    return model, opt
 
 
 def _tensors(tree: Any) -> Any:
