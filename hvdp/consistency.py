@@ -59,15 +59,76 @@ def problems(everyone: List[List[Digest]], ranks: List[int]) -> List[str]:
 
 def check(backend: Any, model: Any, handle: Any, ranks: List[int]) -> None:
     """Raise ReplicaMismatchError unless every rank in ``ranks`` holds the first one's parameters."""
-    everyone = backend.allgather_object(digests(backend.named_parameters(model)), handle)
+    parameters = backend.named_parameters(model)
+    everyone = backend.allgather_object(digests(parameters), handle)
     found = problems(everyone, ranks)
     if found:
         differing_ranks = [p.split(" ", 2)[1] for p in found]
+        detail = how_far(lambda obj: backend.allgather_object(obj, handle), parameters, everyone, ranks)
         raise ReplicaMismatchError(
-            f"Replicas differ from rank {ranks[0]} on rank(s) {', '.join(differing_ranks)}: {'; '.join(found)}. "
-            "Start every replica with hvdp.broadcast_state(model, optimizer) and step with "
+            f"Replicas differ from rank {ranks[0]} on rank(s) {', '.join(differing_ranks)}: {'; '.join(found)}."
+            f"{detail} Start every replica with hvdp.broadcast_state(model, optimizer) and step with "
             "hvdp.DistributedOptimizer."
         )
+
+
+#: Elements of the first differing parameter gathered to say how far the replicas are apart.
+COMPARED_ELEMENTS = 1 << 20
+
+#: Up to this many units in the last place, a difference is one of rounding, not of a missed update.
+ROUNDING_ULPS = 64
+
+
+def how_far(gather: Callable[[Any], List[Any]], parameters: List[Tuple[str, np.ndarray]],
+            everyone: List[List[Digest]], ranks: List[int]) -> str:
+    """How far the first parameter that differs is from the first rank's, on each rank (a collective).
+
+    Every rank calls it with the same gathered ``everyone`` (so all take part, or none);
+    ``gather`` returns None for a rank waiting in ``hvdp.join``. The first
+    :data:`COMPARED_ELEMENTS` elements are compared; tells rounding-size differences
+    (a computation whose result depends on the rank) from a missed or different update.
+    """
+    reference = everyone[0]
+    if any([s for _, s, _ in theirs] != [s for _, s, _ in reference] for theirs in everyone):
+        return ""
+    position = next((i for i in range(len(reference)) if any(t[i][2] != reference[i][2] for t in everyone)), None)
+    if position is None:
+        return ""
+    name, array = parameters[position]
+    values = [v for v in gather(np.ravel(array)[:COMPARED_ELEMENTS]) if v is not None]
+    try:
+        return _gaps(name, np.size(array), values, ranks)
+    except Exception:  # the mismatch itself is the error to raise, whatever the detail does
+        return ""
+
+
+def _gaps(name: str, size: int, values: List[Any], ranks: List[int]) -> str:
+    base = np.asarray(values[0])
+    lines, worst = [], 0.0
+    for rank, theirs in zip(ranks[1:], values[1:]):
+        theirs = np.asarray(theirs)
+        if theirs.shape != base.shape:
+            continue
+        if not np.issubdtype(base.dtype, np.floating):
+            count = int(np.count_nonzero(theirs != base))
+            lines.append(f"rank {rank}: {count} of {base.size} elements")
+            continue
+        gap = np.abs(theirs.astype(np.float64) - base.astype(np.float64))
+        count = int(np.count_nonzero(gap > 0)) + int(np.count_nonzero(np.isnan(theirs) != np.isnan(base)))
+        if count == 0:
+            continue
+        at = int(np.nanargmax(gap)) if np.any(np.isfinite(gap)) else 0
+        ulps = float(gap[at] / np.spacing(np.abs(base[at]).astype(base.dtype)))
+        worst = max(worst, ulps)
+        lines.append(f"rank {rank}: {count} of {base.size} elements, by at most {gap[at]:.3g} "
+                     f"({ulps:.0f} unit{'' if round(ulps) == 1 else 's'} in the last place of {float(base[at]):.6g})")
+    if not lines:
+        return ""
+    shown = f" (of its first {base.size})" if size > base.size else ""
+    kind = (" Differences of rounding size: the same update computed differently on some ranks "
+            "(a kernel whose result depends on the thread count or the process, or a reduction that "
+            "did not give every rank the same bits)." if worst <= ROUNDING_ULPS else "")
+    return f" On {name}{shown}, against rank {ranks[0]}: {'; '.join(lines)}.{kind}"
 
 
 #: Steps between two drift checks unless ``HVDP_CHECK_EVERY`` says otherwise.
@@ -130,12 +191,14 @@ class DriftGuard:
         # None for a rank waiting in hvdp.join: only the ranks still stepping are compared.
         stepping = [(rank, theirs) for rank, theirs in zip(self.ranks, self.gather(digests(parameters)))
                     if theirs is not None]
-        found = problems([theirs for _, theirs in stepping], [rank for rank, _ in stepping])
+        everyone, ranks = [theirs for _, theirs in stepping], [rank for rank, _ in stepping]
+        found = problems(everyone, ranks)
         if found:
+            detail = how_far(self.gather, parameters, everyone, ranks)
             causes = "; ".join(f"({i}) {cause}" for i, cause in enumerate(LIKELY_CAUSES, 1))
             raise ReplicaMismatchError(
                 f"Replicas drifted apart by step {self.steps}: compared with rank {stepping[0][0]}, "
-                f"{'; '.join(found)}. Likely causes: {causes}. This check runs after step 1 and every "
+                f"{'; '.join(found)}.{detail} Likely causes: {causes}. This check runs after step 1 and every "
                 f"{self.every} steps (HVDP_CHECK_EVERY=N to change, 0 to turn it off)."
             )
 

@@ -81,6 +81,9 @@ def test_check_consistency_names_the_perturbed_rank_on_every_rank(job):
         message = rank["consistency"]["raised"]
         assert message and message.startswith("Replicas differ from rank 0 on rank(s) 1:"), message
         assert "1 of 4 parameters differ" in message
+        # How far: the elements rank 1 moved, by what it added (a step, not rounding).
+        assert ", against rank 0: rank 1: " in message and "by at most 0.001 (" in message
+        assert "rounding size" not in message
 
 
 def test_collectives_return_the_kind_they_were_given(job):

@@ -37,6 +37,8 @@ class Gathered:
         self.other = other
 
     def __call__(self, mine):
+        if isinstance(mine, np.ndarray):  # the values of the first differing parameter
+            return [mine, mine + 1]
         return [mine, self.other(mine)]
 
 
@@ -68,7 +70,8 @@ def test_guard_checks_after_step_one_and_every_n_steps_and_names_the_step():
 def test_ranks_waiting_in_a_join_are_left_out_and_the_first_stepping_rank_is_the_reference():
     params = [("w", np.zeros(3, np.float32))]
     theirs = [("w", [3], "changed")]
-    guard = consistency.DriftGuard(lambda mine: [None, mine, theirs], [0, 1, 2], 1, whole_job=False)
+    guard = consistency.DriftGuard(lambda mine: [None, mine, mine if isinstance(mine, np.ndarray) else theirs],
+                                   [0, 1, 2], 1, whole_job=False)
     with pytest.raises(ReplicaMismatchError) as err:
         guard.after_step(lambda: params)
     assert "compared with rank 1, rank 2 (1 of 1 parameters differ, e.g. w)" in str(err.value)
@@ -112,3 +115,45 @@ def test_parameters_are_compared_by_position_not_by_their_names():
     assert consistency.problems([ours, renamed], [0, 1]) == []
     changed = [("dense_2/kernel", [2], "a"), ("dense_2/bias", [1], "c")]
     assert consistency.problems([ours, changed], [0, 1]) == ["rank 1 (1 of 2 parameters differ, e.g. dense/bias)"]
+
+
+def values_gather(others):
+    """Rank 0's digests and values as given; ranks 1... return ``others[i](mine)`` (None: waiting in a join)."""
+    return lambda mine: [mine, *[None if other is None else other(mine) for other in others]]
+
+
+def test_the_message_says_how_far_the_first_differing_parameter_is_on_each_rank():
+    w = np.linspace(0.1, 1.0, 8, dtype=np.float32)
+    params = [("a", np.zeros(2, np.float32)), ("w", w)]
+    one_ulp = w.copy()
+    one_ulp[3] = np.nextafter(w[3], np.float32(2))
+    stepped = w - 0.01
+
+    def rank(values):
+        def other(mine):
+            if isinstance(mine, np.ndarray):
+                return values
+            return [mine[0], ("w", [8], "different")]
+        return other
+
+    guard = consistency.DriftGuard(values_gather([rank(one_ulp), None, rank(stepped)]), [0, 1, 2, 3], 1,
+                                   whole_job=False)
+    with pytest.raises(ReplicaMismatchError) as err:
+        guard.after_step(lambda: params)
+    message = str(err.value)
+    assert "rank 1 (1 of 2 parameters differ, e.g. w); rank 3 (1 of 2 parameters differ, e.g. w)." in message
+    assert ("On w, against rank 0: rank 1: 1 of 8 elements, by at most 2.98e-08 (1 unit in the last place "
+            "of 0.485714)") in message
+    assert "rank 3: 8 of 8 elements, by at most 0.01 (" in message
+    assert "rounding size" not in message  # rank 3 is a step away: a missed or different update
+    only_rounding = consistency.DriftGuard(values_gather([rank(one_ulp)]), [0, 1], 1, whole_job=False)
+    with pytest.raises(ReplicaMismatchError, match="Differences of rounding size"):
+        only_rounding.after_step(lambda: params)
+
+
+def test_a_difference_in_architecture_or_an_unreadable_value_keeps_the_plain_message():
+    params = [("w", np.zeros(2, np.float32))]
+    assert consistency.how_far(pytest.fail, params, [[("w", [2], "a")], [("w", [3], "b")]], [0, 1]) == ""
+    odd = consistency.how_far(lambda mine: [mine, "not an array"], params,
+                              [[("w", [2], "a")], [("w", [2], "b")]], [0, 1])
+    assert odd == ""
