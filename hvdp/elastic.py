@@ -70,7 +70,8 @@ class State:
     attribute: read and assign it as ``state.epoch``; it is saved by :meth:`commit`,
     put back by :meth:`restore`, and taken from rank 0 by :meth:`sync` (so are public
     attributes set later). Extras must be picklable. Build a Keras model before
-    making its State.
+    making its State. A torch optimizer with ``shard_optimizer_state=True`` is saved whole
+    (gathered from every worker) at each commit and split again over the workers at each sync.
 
     Args:
         model: the model being trained, or None.
@@ -94,12 +95,6 @@ class State:
         if reserved:
             raise ValueError(f"hvdp.elastic.State: extra(s) {', '.join(map(repr, reserved))} would hide "
                              f"State's own attributes; rename them (e.g. {reserved[0].lstrip('_')}_value).")
-        if getattr(optimizer, "_hvdp_shards", None) is not None:
-            raise ValueError(
-                "hvdp.elastic.State does not take a sharded optimizer (shard_optimizer_state=True) in this "
-                "version: a worker that joins holds no part of the state, and saving gathers it from every "
-                "worker. Fix: shard_optimizer_state=False for elastic jobs, or save with hvdp.save_checkpoint "
-                "and restart at the new size (a sharded checkpoint loads at any number of ranks).")
         self.model = model
         self.optimizer = optimizer
         self._extras: Dict[str, Any] = {}
@@ -107,18 +102,25 @@ class State:
             setattr(self, name, value)
         self._saved_model: Optional[Dict[str, np.ndarray]] = None
         self._saved_optimizer: Any = None
+        # A sharded optimizer's state is saved whole, gathered from every worker: at a commit or a
+        # sync (every worker at once), never here (a worker that joins is alone in making its State).
+        self._sharded = getattr(optimizer, "_hvdp_shards", None) is not None
         # Horovod's State tracks the host updates the launcher sends and the reset callbacks.
         self._hosts = HorovodState(bcast_object=lambda obj: backend.broadcast_object(obj, 0, None),
                                    get_rank=backend.rank)
-        self.save()
+        self.save(whole_job=False)
 
     # The interface Horovod's elastic run and notification manager call.
 
-    def save(self) -> None:
-        """Keep a copy of the model, optimizer and extras in memory (what :meth:`restore` goes back to)."""
+    def save(self, whole_job: bool = True) -> None:
+        """Keep a copy of the model, optimizer and extras in memory (what :meth:`restore` goes back to).
+
+        ``whole_job``: every worker saves now (a sharded optimizer's state is gathered).
+        """
         backend = _runtime.current("elastic.State.save")
         if self.model is not None:
-            arrays, optimizer_state = backend.export_state(self.model, self.optimizer)
+            optimizer = None if self._sharded and not whole_job else self.optimizer
+            arrays, optimizer_state = backend.export_state(self.model, optimizer)
             self._saved_model, self._saved_optimizer = _copy(arrays), _copy(optimizer_state)
         self._extras = {name: copy.deepcopy(getattr(self, name)) for name in self._extra_names()}
 
@@ -126,7 +128,10 @@ class State:
         """Go back to the last saved state, undoing what was done since (after a worker failed)."""
         backend = _runtime.current("elastic.State.restore")
         if self.model is not None and self._saved_model is not None:
-            backend.import_state(self.model, self.optimizer, _copy(self._saved_model), _copy(self._saved_optimizer))
+            # A sharded optimizer's parts belong to a world that just broke: its whole saved
+            # state is split again over the new one in sync(), which follows every restore.
+            optimizer = None if self._sharded else self.optimizer
+            backend.import_state(self.model, optimizer, _copy(self._saved_model), _copy(self._saved_optimizer))
         for name, value in self._extras.items():
             setattr(self, name, copy.deepcopy(value))
 
@@ -134,6 +139,11 @@ class State:
         """Give every worker rank 0's model, optimizer and extras (when workers start or join), and save them."""
         backend = _runtime.current("elastic.State.sync")
         if self.model is not None:
+            if self._sharded and self._saved_optimizer is not None:
+                # The whole state of the last commit, split over this world's workers; rank 0's
+                # then goes to every worker (one that joined has none).
+                backend.import_state(self.model, self.optimizer, _copy(self._saved_model),
+                                     _copy(self._saved_optimizer))
             backend.broadcast_state(self.model, self.optimizer, 0, None)
         values = backend.broadcast_object({name: getattr(self, name) for name in self._extra_names()}, 0, None)
         for name, value in values.items():

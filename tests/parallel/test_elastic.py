@@ -25,7 +25,8 @@ def run_elastic(framework, model, tmp_path):
                     str(WORKERS / "elastic_train.py"), model], tmp_path, np_=2, timeout=240)
 
 
-@pytest.mark.parametrize("framework, model", [("torch", "torch"), ("tensorflow", "keras"), ("torch", "keras")])
+@pytest.mark.parametrize("framework, model", [("torch", "torch"), ("tensorflow", "keras"), ("torch", "keras"),
+                                              ("torch", "sharded")])
 def test_kill_one_of_two_workers_train_alone_then_re_add_it(framework, model, tmp_path):
     job = run_elastic(framework, model, tmp_path)
     assert job.returncode == 0, job.output[-6000:]
@@ -48,6 +49,13 @@ def test_kill_one_of_two_workers_train_alone_then_re_add_it(framework, model, tm
         assert commits[-1] == EPOCHS * BATCHES
     assert joined["commits"][0] >= first["commits"][first["commits"].index(20)]
     assert first["final"] == joined["final"] and first["max_abs_diff"] == joined["max_abs_diff"] == 0.0
+    if model != "keras":
+        # Adam's state went back to the commit with the model (step 12, not 13) and, sharded, was split
+        # again at each change of workers: every counter in the whole state is the 32 steps taken.
+        assert first["adam_steps"] == joined["adam_steps"] == [float(EPOCHS * BATCHES)], (first, joined)
+        whole = 8 * 16 + 16 + 16 * 3 + 3  # the model's parameters (workers/_parts.py)
+        parts = [first["adam_elements"], joined["adam_elements"]]
+        assert parts == ([whole // 2 + 1, whole // 2] if model == "sharded" else [whole, whole]), parts
 
     events = dict((name, when) for name, when in first["events"] if name != "first step at size 2")
     resumed = events["first step at size 1"] - killed_at

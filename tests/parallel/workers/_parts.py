@@ -8,12 +8,13 @@ import numpy as np
 import hvdp
 
 
-def torch_parts(seed: int, width: int = 16) -> tuple:
+def torch_parts(seed: int, width: int = 16, shard: bool = False) -> tuple:
     import torch
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
-    optimizer = hvdp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+    optimizer = hvdp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model,
+                                          shard_optimizer_state=shard)
 
     def step(x: np.ndarray, y: np.ndarray) -> None:
         optimizer.zero_grad()

@@ -223,7 +223,6 @@ def refusals(rank: int) -> dict:
         "process_set": refusal(lambda: hvdp.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), model,
                                                                  process_set=hvdp.ProcessSet([0]),
                                                                  shard_optimizer_state=True)),
-        "elastic": refusal(lambda: hvdp.elastic.State(moved, opt, epoch=0)),
         "after": hvdp.allreduce(1.0, op="sum"),  # the job still works
     }
 

@@ -1,5 +1,6 @@
 """Elastic training that goes from 2 workers to 1 and back to 2, on the framework hvdp run chose,
-with a torch module (argv[1] == "torch") or a Keras 3 model ("keras", on either Keras backend).
+with a torch module (argv[1] == "torch"; "sharded": its Adam with shard_optimizer_state=True) or a
+Keras 3 model ("keras", on either Keras backend).
 
 The job runs under ``hvdp run --elastic`` with a discovery script that prints the file
 $HVDP_TEST_OUT/hosts: two names of this machine (localhost and 127.0.0.1), one slot each,
@@ -14,7 +15,8 @@ so that Horovod can blacklist the "host" of the killed worker and keep the other
 Every worker that finishes writes rank{N}.json: each commit's step counter in order, the
 step counter and size at each (re)start of the training function, the sizes it trained at,
 its reset callbacks, timestamps of the events, and its final parameters' digest and largest
-difference from every other rank's.
+difference from every other rank's; for torch, the Adam step counters of the whole optimizer state
+and how many elements of Adam's first moment this rank holds.
 """
 
 from __future__ import annotations
@@ -48,7 +50,16 @@ def batch(epoch: int, number: int, rank: int) -> tuple:
     return data.normal(size=(BATCH, 8)).astype(np.float32), data.integers(0, 3, size=BATCH)
 
 
-PARTS = {"torch": torch_parts, "keras": keras_parts}
+PARTS = {"torch": torch_parts, "keras": keras_parts, "sharded": lambda seed: torch_parts(seed, shard=True)}
+
+
+def adam(optimizer) -> dict:
+    """The step counters of the whole state (gathered when sharded: every rank calls it) and this rank's part."""
+    if sys.argv[1] == "keras":
+        return {}
+    whole = optimizer.state_dict()
+    return {"adam_steps": sorted({float(s["step"]) for s in whole["state"].values()}),
+            "adam_elements": sum(int(s["exp_avg"].numel()) for s in optimizer.state.values())}
 
 
 def write_hosts(lines: list) -> None:
@@ -110,7 +121,7 @@ def main() -> None:
     train(state)
     parameters = flat()
     everyone = hvdp.allgather_object(parameters)
-    _report.write(hvdp.rank(), {
+    _report.write(hvdp.rank(), {**adam(optimizer),
         "rank": hvdp.rank(), "size": hvdp.size(), "first_incarnation": first, "commits": commits,
         "sizes": sizes, "resets": resets, "starts": starts, "events": events, "epoch": state.epoch, "step": state.step,
         "final": digest(parameters),
