@@ -239,7 +239,7 @@ def DistributedOptimizer(
         >>> opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1), model)  # doctest: +SKIP
     """
     backend = _runtime.current("DistributedOptimizer")
-    shard = _validate.check_sharding(shard_optimizer_state, op, groups, process_set)
+    shard = _validate.check_sharding(shard_optimizer_state, op, groups)
     handle = _process_sets.handle(process_set, "DistributedOptimizer")
     _validate.check_op(op, backend, process_set, caller="hvdp.DistributedOptimizer")
     _validate.check_compression(compression, COMPRESSIONS)

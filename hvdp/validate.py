@@ -120,13 +120,10 @@ def check_groups(groups: Any) -> Any:
                     f"together (groups=[[w1, b1], [w2, b2]]).")
 
 
-def check_sharding(shard_optimizer_state: object, op: str, groups: Any, process_set: Any = None) -> bool:
+def check_sharding(shard_optimizer_state: object, op: str, groups: Any) -> bool:
     """``DistributedOptimizer(shard_optimizer_state=...)``: a bool, with the options a sharded step can honour."""
     if not isinstance(shard_optimizer_state, bool):
         raise TypeError(f"shard_optimizer_state={shard_optimizer_state!r}; give True or False.")
-    if shard_optimizer_state and process_set is not None:
-        raise ValueError("shard_optimizer_state=True shards the state over the whole job in this version, not within "
-                         "a process set. Leave process_set out, or shard_optimizer_state=False.")
     if shard_optimizer_state and op == "adasum":
         raise ValueError("shard_optimizer_state=True with op='adasum': Adasum combines whole tensors, a sharded step "
                          "reduce-scatters slices of them. Use op='average' (or 'sum'), or shard_optimizer_state=False.")

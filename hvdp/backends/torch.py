@@ -145,13 +145,14 @@ class Backend(HorovodJob):
         shard_optimizer_state: bool = False,
     ) -> Any:
         horovod_set = self._set(process_set)
+        first = 0 if process_set is None else int(horovod_set.ranks[0])  # the buffers' root: the set's first rank
         if isinstance(optimizer, torch.optim.Optimizer) and shard_optimizer_state:
             if model is not None and broadcast_buffers:
-                broadcast_buffers_before_forward(model, 0, horovod_set, joining=lambda: self.joining)
+                broadcast_buffers_before_forward(model, first, horovod_set, joining=lambda: self.joining)
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
             names = {p: n for n, p in model.named_parameters()} if isinstance(model, torch.nn.Module) else {}
-            return shard(optimizer, names, self._op(name), compression, prescale, postscale)
+            return shard(optimizer, names, self._op(name), compression, prescale, postscale, horovod_set)
         if isinstance(optimizer, torch.optim.Optimizer):
             named: Optional[list] = None
             if model is not None:
@@ -164,7 +165,7 @@ class Backend(HorovodJob):
                 named = list(model.named_parameters())
                 sparse_gradients(model, sparse_as_dense, groups)
                 if broadcast_buffers:
-                    broadcast_buffers_before_forward(model, 0, horovod_set, joining=lambda: self.joining)
+                    broadcast_buffers_before_forward(model, first, horovod_set, joining=lambda: self.joining)
             wrapped = hvd.DistributedOptimizer(
                 optimizer,
                 named_parameters=named,

@@ -85,8 +85,8 @@ class Shards:
     """The flat buffers of parameters and gradients, this rank's parts of them, and a sharded step's collectives."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, compression: str,
-                 prescale: float, postscale: float) -> None:
-        self.optimizer, self.op, self.compression = optimizer, op, compression
+                 prescale: float, postscale: float, process_set: Any) -> None:
+        self.optimizer, self.op, self.compression, self.set = optimizer, op, compression, process_set
         self.prescale, self.postscale = prescale, postscale
         self.params: List[List[torch.nn.Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
         self.named = [(names.get(p, f"param_groups.{g}.{i}"), p)
@@ -125,7 +125,7 @@ class Shards:
 
     def lay_out(self, loading: bool = False) -> None:
         """Give this rank its parts for the current world (once, and again when the world changes)."""
-        members, index = hvd.size(), hvd.rank()
+        members, index = self.set.size(), self.set.rank()  # in the process set (the job's by default)
         if (members, index) == (self.members, self.index):
             return
         if self.members > 0 and self.optimizer.state and not loading:
@@ -172,7 +172,7 @@ class Shards:
         else:
             reduced = complete(hvd.grouped_reducescatter_async(
                 sent, name="hvdp.zero.gradients", op=self.op, prescale_factor=self.prescale,
-                postscale_factor=self.postscale))
+                postscale_factor=self.postscale, process_set=self.set))
             for grads, part in zip(self.grads, reduced):
                 start, end = bounds(grads.numel(), self.members, self.index)
                 if part.numel() != end - start:
@@ -189,12 +189,13 @@ class Shards:
         """Give every rank every part: each rank broadcasts its part of each buffer, in place."""
         if self.members == 1:
             return  # the part is the whole buffer: stepped in place
-        handles = []
+        handles, ranks = [], list(range(hvd.size())) if self.set.process_set_id == 0 else self.set.ranks
         for g, flat in enumerate(self.flats):
-            for rank in range(self.members):
+            for rank in range(self.members):  # a broadcast's root is a rank of the job
                 start, end = bounds(flat.numel(), self.members, rank)
                 if end > start:
-                    handles.append(hvd.broadcast_async_(flat[start:end], rank, name=f"hvdp.zero.part.{g}.{rank}"))
+                    handles.append(hvd.broadcast_async_(flat[start:end], ranks[rank], name=f"hvdp.zero.part.{g}.{rank}",
+                                                        process_set=self.set))
         complete(*handles)
 
     def zero_grad(self) -> None:
@@ -221,7 +222,8 @@ class Shards:
                 if all(torch.is_tensor(v) and v.dim() == 1 and v.shape == c.shape for v, c in zip(values, chunks)):
                     requests.append((g, key))
                     gathered.append(torch.cat([v.detach() for v in values]))
-        wholes = complete(hvd.grouped_allgather_async(gathered, name="hvdp.zero.state")) if gathered else []
+        wholes = complete(hvd.grouped_allgather_async(gathered, name="hvdp.zero.state",
+                                                      process_set=self.set)) if gathered else []
         by_request = dict(zip(requests, wholes))
         state_out: Dict[int, Dict[str, Any]] = {}
         groups_out, index = [], 0
@@ -333,12 +335,12 @@ class ShardedStep:
         norm_type = float(norm_type)
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() if g.numel() else torch.zeros(()) for g in grads]).max()
-            total = hvd.allreduce(local.reshape(1), op=hvd.Max, name="hvdp.zero.norm")[0]
+            total = hvd.allreduce(local.reshape(1), op=hvd.Max, name="hvdp.zero.norm", process_set=shards.set)[0]
         else:
             local = torch.stack([(g.double().abs() ** norm_type).sum() for g in grads]).sum() if grads else \
                 torch.zeros((), dtype=torch.float64)
-            total = hvd.allreduce(local.reshape(1), op=hvd.Sum,
-                                  name="hvdp.zero.norm")[0] ** (1.0 / norm_type)
+            total = hvd.allreduce(local.reshape(1), op=hvd.Sum, name="hvdp.zero.norm",
+                                  process_set=shards.set)[0] ** (1.0 / norm_type)
         coefficient = float(max_norm) / (float(total) + 1e-6)
         if coefficient < 1.0:
             for g in grads:
@@ -359,8 +361,8 @@ class ShardedStep:
 
 
 def shard(optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, compression: str, prescale: float,
-          postscale: float) -> torch.optim.Optimizer:
-    """``optimizer`` sharded over the job's ranks (module docstring): same class name and isinstance."""
+          postscale: float, process_set: Any) -> torch.optim.Optimizer:
+    """``optimizer`` sharded over Horovod's ``process_set`` (module docstring): same class name and isinstance."""
     check_optimizer(optimizer)
     existing = optimizer.state_dict() if optimizer.state else None
     cls = type(type(optimizer).__name__, (ShardedStep, type(optimizer)), {"__module__": type(optimizer).__module__})
@@ -368,7 +370,7 @@ def shard(optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, comp
     sharded.__dict__ = optimizer.__dict__  # one object's state: a scheduler made on the original drives both
     if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
         del optimizer.__dict__["step"]  # a scheduler's wrapper of the original's step, which would bypass the parts
-    shards = Shards(optimizer, names, op, compression, prescale, postscale)
+    shards = Shards(optimizer, names, op, compression, prescale, postscale, process_set)
     sharded._hvdp_shards = shards
     shards.lay_out()
     if existing is not None:

@@ -192,6 +192,20 @@ def test_each_set_of_a_partition_trains_like_one_process_on_its_members_data(set
         for g in got:
             assert g["changed"] > 1e-3
             assert g["vs_single_process"] <= TOLERANCE, f"set {members}: {g['vs_single_process']} from one process"
+        sharded = [g["sharded"] for g in got if "sharded" in g]  # torch: Adam's state sharded over the set
+        if sharded:
+            assert len({s["digest"] for s in sharded}) == 1, f"sharded replicas of set {members} differ"
+            whole = 2 * (8 * 16 + 16 + 16 * 3 + 3)  # Adam's two moments of the model (workers/_train.py)
+            assert sum(s["state_elements"] for s in sharded) == whole, sharded
+            for s in sharded:
+                assert s["vs_single_process"] <= TOLERANCE, f"sharded in {members}: {s['vs_single_process']}"
+                assert abs(s["state_elements"] - whole / len(members)) <= 4 and s["whole_steps"] == [5], s
+
+
+def test_batch_norm_buffers_come_from_the_sets_first_member(sets_job):
+    for r in sets_job:
+        if "buffers" in r:  # torch: set [2, 3] takes rank 2's, not rank 0's (which is not a member)
+            assert r["buffers"] == [float(r["set"][0])] * 4, r["buffers"]
 
 
 # --- examples/ensemble.py ----------------------------------------------------------------------

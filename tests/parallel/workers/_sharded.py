@@ -220,9 +220,6 @@ def refusals(rank: int) -> dict:
                             lr=0.1), None, shard_optimizer_state=True)),
         "moved_parameter": refusal(step_moved),
         "join": refusal(lambda: hvdp.join(moved, opt)),
-        "process_set": refusal(lambda: hvdp.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), model,
-                                                                 process_set=hvdp.ProcessSet([0]),
-                                                                 shard_optimizer_state=True)),
         "after": hvdp.allreduce(1.0, op="sum"),  # the job still works
     }
 

@@ -31,12 +31,17 @@ def union(members: List[int], step: int) -> tuple:
     return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
 
 
-def train(framework: str, process_set: Optional[hvdp.ProcessSet] = None, optimizer: str = "sgd") -> Dict[str, Any]:
-    """Train among ``process_set`` (None: every hvdp rank) with SGD+momentum or Adam; report what the test compares."""
+def train(framework: str, process_set: Optional[hvdp.ProcessSet] = None, optimizer: str = "sgd",
+          shard: bool = False) -> Dict[str, Any]:
+    """Train among ``process_set`` (None: every hvdp rank) with SGD+momentum or Adam; report what the test compares.
+
+    ``shard``: torch only, with ``shard_optimizer_state=True`` (the report adds this rank's state elements).
+    """
     members = list(process_set.ranks) if process_set is not None else list(range(hvdp.size()))
     seed = 1000 * (members[0] + 1) + hvdp.rank()  # different weights on every rank before broadcast_state
-    run = _torch if framework == "torch" else _keras
-    return run(seed, members, process_set, optimizer)
+    if framework == "torch":
+        return _torch(seed, members, process_set, optimizer, shard)
+    return _keras(seed, members, process_set, optimizer)
 
 
 def _summary(before: np.ndarray, after_broadcast: np.ndarray, trained: np.ndarray,
@@ -48,7 +53,8 @@ def _summary(before: np.ndarray, after_broadcast: np.ndarray, trained: np.ndarra
             "vs_single_process": float(np.max(np.abs(trained - reference))), "losses": losses}
 
 
-def _torch(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet], optimizer: str) -> Dict[str, Any]:
+def _torch(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet], optimizer: str,
+           shard: bool) -> Dict[str, Any]:
     import torch
 
     def make_opt(params: Any) -> torch.optim.Optimizer:
@@ -61,7 +67,8 @@ def _torch(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet]
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    opt = hvdp.DistributedOptimizer(make_opt(model.parameters()), model, process_set=process_set)
+    opt = hvdp.DistributedOptimizer(make_opt(model.parameters()), model, process_set=process_set,
+                                    shard_optimizer_state=shard)
     before = flat(model)
     hvdp.broadcast_state(model, opt, process_set=process_set)
     after_broadcast = flat(model)
@@ -80,7 +87,11 @@ def _torch(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet]
         torch.nn.functional.cross_entropy(reference(torch.from_numpy(ux)), torch.from_numpy(uy)).backward()
         ref_opt.step()
     hvdp.check_consistency(model, process_set=process_set)
-    return _summary(before, after_broadcast, flat(model), flat(reference), losses)
+    summary = _summary(before, after_broadcast, flat(model), flat(reference), losses)
+    if shard:  # this rank's part of Adam's moments, and the whole state gathered from the set
+        summary["state_elements"] = sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim())
+        summary["whole_steps"] = sorted({int(s["step"]) for s in opt.state_dict()["state"].values()})
+    return summary
 
 
 def _keras(seed: int, members: List[int], process_set: Optional[hvdp.ProcessSet], optimizer: str) -> Dict[str, Any]:

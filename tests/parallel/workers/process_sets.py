@@ -94,8 +94,27 @@ def main() -> None:
     for name, partition in partitions.items():
         group = hvdp.my_process_set(partition)
         record["partitions"][name] = {"set": list(group.ranks), **_train.train(framework, group, optimizer="adam")}
+        if framework == "torch":  # Adam's state sharded over the set's members
+            record["partitions"][name]["sharded"] = _train.train(framework, group, optimizer="adam", shard=True)
+    if framework == "torch":
+        record["buffers"] = buffers_from_the_first_member(mine)
     _report.write(rank, record)
     hvdp.shutdown()
+
+
+def buffers_from_the_first_member(group: hvdp.ProcessSet) -> list:
+    """A BatchNorm (momentum 0: a forward keeps its running mean) trained in ``group``: before each forward
+    the buffers come from the set's first member, which need not be rank 0 of the job."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=0.0))
+    opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, process_set=group)
+    hvdp.broadcast_state(model, opt, process_set=group)
+    model[1].running_mean.fill_(float(hvdp.rank()))  # each member's own, after the broadcast
+    opt.zero_grad()
+    model(torch.ones(8, 4)).sum().backward()
+    opt.step()
+    return model[1].running_mean.tolist()
 
 
 if __name__ == "__main__":
