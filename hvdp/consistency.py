@@ -34,6 +34,10 @@ def digests(parameters: List[Tuple[str, np.ndarray]]) -> List[Digest]:
              .hexdigest()) for name, array in parameters]
 
 
+def _shapes(theirs: List[Digest]) -> List[List[int]]:
+    return [shape for _, shape, _ in theirs]
+
+
 def problems(everyone: List[List[Digest]], ranks: List[int]) -> List[str]:
     """One line for each rank whose digests differ from the first rank's (none when all agree).
 
@@ -47,7 +51,7 @@ def problems(everyone: List[List[Digest]], ranks: List[int]) -> List[str]:
         if [(s, d) for _, s, d in theirs] == [(s, d) for _, s, d in reference]:
             continue
         # By position and shape: Keras's automatic layer names may differ between processes.
-        if [s for _, s, _ in theirs] != [s for _, s, _ in reference]:
+        if _shapes(theirs) != _shapes(reference):
             found.append(f"rank {rank} has a different architecture ({len(theirs)} parameters vs "
                          f"{len(reference)} on rank {ranks[0]})")
             continue
@@ -89,7 +93,7 @@ def how_far(gather: Callable[[Any], List[Any]], parameters: List[Tuple[str, np.n
     (a computation whose result depends on the rank) from a missed or different update.
     """
     reference = everyone[0]
-    if any([s for _, s, _ in theirs] != [s for _, s, _ in reference] for theirs in everyone):
+    if any(_shapes(theirs) != _shapes(reference) for theirs in everyone):
         return ""
     position = next((i for i in range(len(reference)) if any(t[i][2] != reference[i][2] for t in everyone)), None)
     if position is None:

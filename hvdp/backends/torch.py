@@ -26,7 +26,7 @@ from hvdp.backends.torch_gradients import (
     sleeping_synchronize,
     sparse_gradients,
 )
-from hvdp.backends.torch_sharded import load_state_keeping_objects, shard, whole_for_broadcast
+from hvdp.backends.torch_sharded import job_ranks, load_state_keeping_objects, shard, whole_for_broadcast
 
 
 def _map_tensors(tree: Any, to_numpy: bool) -> Any:
@@ -145,7 +145,7 @@ class Backend(HorovodJob):
         shard_optimizer_state: bool = False,
     ) -> Any:
         horovod_set = self._set(process_set)
-        first = 0 if process_set is None else int(horovod_set.ranks[0])  # the buffers' root: the set's first rank
+        first = job_ranks(horovod_set)[0]  # the buffers' root: the set's first rank (0 for the whole job)
         if isinstance(optimizer, torch.optim.Optimizer) and shard_optimizer_state:
             if model is not None and broadcast_buffers:
                 broadcast_buffers_before_forward(model, first, horovod_set, joining=lambda: self.joining)

@@ -189,7 +189,7 @@ class Shards:
         """Give every rank every part: each rank broadcasts its part of each buffer, in place."""
         if self.members == 1:
             return  # the part is the whole buffer: stepped in place
-        handles, ranks = [], list(range(hvd.size())) if self.set.process_set_id == 0 else self.set.ranks
+        handles, ranks = [], job_ranks(self.set)
         for g, flat in enumerate(self.flats):
             for rank in range(self.members):  # a broadcast's root is a rank of the job
                 start, end = bounds(flat.numel(), self.members, rank)
@@ -376,6 +376,11 @@ def shard(optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, comp
     if existing is not None:
         sharded.load_state_dict(existing)
     return sharded
+
+
+def job_ranks(process_set: Any) -> List[int]:
+    """The job ranks of Horovod's ``process_set``, in its order (a broadcast's root is one of them)."""
+    return list(range(hvd.size())) if process_set.process_set_id == 0 else list(process_set.ranks)
 
 
 def whole_for_broadcast(optimizer: Any, is_root: bool, agree: Any) -> Optional[Dict[str, Any]]:
