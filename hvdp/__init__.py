@@ -226,7 +226,8 @@ def DistributedOptimizer(
             torch, one request on Keras), or, on torch, lists of parameters reduced together.
         shard_optimizer_state: ZeRO stage 1: each rank keeps the optimizer state of 1/N of the
             parameters; gradients are reduce-scattered and the updated parameters all-gathered
-            (README, "Sharded optimizer state"). ``state_dict()`` then gathers (call it on every rank).
+            (README, "Sharded optimizer state"); torch and Keras 3 optimizers. A torch optimizer's
+            ``state_dict()`` then gathers (call it on every rank), as ``hvdp.save_checkpoint`` does.
 
     With torch, gradients are averaged when ``backward()`` returns (as under DDP), so
     clipping or AMP's ``unscale_`` between ``backward()`` and ``step()`` sees the

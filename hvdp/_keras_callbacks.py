@@ -183,7 +183,9 @@ class LearningRateSchedule(keras.callbacks.Callback):
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     """``keras.callbacks.ModelCheckpoint`` that saves on rank 0 only (of ``process_set``, when given): the
     replicas are equal, and ranks writing one file at once can leave it torn. Put
-    :class:`MetricAverage` before it when it monitors a metric. Takes Keras's arguments.
+    :class:`MetricAverage` before it when it monitors a metric. Takes Keras's arguments. With
+    ``shard_optimizer_state=True`` every rank gathers the whole optimizer state first, and the
+    file holds it as an unsharded optimizer's (``keras.models.load_model`` reads it).
 
     Example:
         >>> save = hvdp.keras.ModelCheckpoint("best.keras", monitor="loss", save_best_only=True)  # doctest: +SKIP
@@ -199,13 +201,30 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             return self.process_set.rank() == 0
         return bool(_runtime.current("keras.ModelCheckpoint").rank() == 0)
 
+    def _prepare(self, saving: bool) -> Any:
+        """A sharded optimizer's whole state, gathered on every rank when rank 0 may save: the clean-up after."""
+        optimizer = getattr(self.model, "optimizer", None)
+        sharding = getattr(optimizer, "_hvdp_shards", None)
+        if saving and sharding is not None:
+            optimizer._hvdp_prepare_save()  # type: ignore[union-attr]
+        return lambda: setattr(sharding, "prepared", None) if sharding is not None else None
+
     def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        saving = False
+        if isinstance(self.save_freq, int):  # Keras's count, kept on every rank
+            self._hvdp_batches = getattr(self, "_hvdp_batches", 0) + 1
+            saving = self._hvdp_batches >= self.save_freq
+            self._hvdp_batches = 0 if saving else self._hvdp_batches
+        done = self._prepare(saving)
         if self._leader():
             super().on_train_batch_end(batch, logs)
+        done()
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        done = self._prepare(self.save_freq == "epoch")
         if self._leader():
             super().on_epoch_end(epoch, logs)
+        done()
 
 
 def set_lr(optimizer: Any, rate: float, momentum_correction: bool) -> None:

@@ -49,6 +49,18 @@ def reduction_plan(op: str, gradient_predivide_factor: float, size: int) -> Tupl
     return op, 1.0, 1.0
 
 
+def bounds(total: int, members: int, index: int) -> Tuple[int, int]:
+    """Elements ``[start, end)`` of a flat buffer of ``total`` that rank ``index`` of ``members`` owns.
+
+    Example:
+        >>> [bounds(10, 3, r) for r in range(3)]
+        [(0, 4), (4, 7), (7, 10)]
+    """
+    share, extra = divmod(total, members)
+    start = index * share + min(index, extra)
+    return start, start + share + (index < extra)
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What hvdp needs from a framework. Arguments arrive already validated."""

@@ -10,13 +10,16 @@ framework at import time.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvdp._keras_jobs import is_distributed, is_keras_optimizer
+from hvdp.backends import keras_sharded
 
 ReduceFn = Callable[[List[Any]], List[Any]]
 BroadcastFn = Callable[[Any, int, str], Any]
+_SHARDED = itertools.count()  # sharded optimizers made, in the same order on every rank: their names
 
 
 def is_keras_model(obj: object) -> bool:
@@ -104,11 +107,11 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
     return optimizer
 
 
-def refuse_keras_sharding(shard_optimizer_state: bool) -> None:
-    """A Keras optimizer does not shard its state yet: say so, with what to use."""
-    if shard_optimizer_state:
-        raise ValueError("shard_optimizer_state=True shards a torch.optim optimizer's state; a Keras optimizer keeps "
-                         "its whole state on every rank in this version. Use shard_optimizer_state=False with Keras.")
+def shard_optimizer(optimizer: Any, op: str, prescale: float, postscale: float, compression: str,
+                    process_set: Any, backward_passes_per_step: int) -> Any:
+    """``optimizer`` with its state sharded over Horovod's ``process_set`` (:mod:`hvdp.backends.keras_sharded`)."""
+    wire = keras_sharded.Wire(op, compression, prescale, postscale, process_set, f"hvdp.zero.keras.{next(_SHARDED)}")
+    return keras_sharded.shard(optimizer, wire, backward_passes_per_step)
 
 
 def _is_loss_scale(optimizer: Any) -> bool:
@@ -161,9 +164,12 @@ def broadcast_state(model: Any, optimizer: Any, root_rank: int, broadcast: Broad
             )
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        variables += list(optimizer.variables)
+        own = keras_sharded.for_broadcast(optimizer)  # sharded: each rank's slots are its part of one state
+        variables += list(optimizer.variables) if own is None else own
     for index, variable in enumerate(variables):
         variable.assign(broadcast(variable.value, root_rank, f"hvdp.state.{index}"))
+    if isinstance(optimizer, keras_sharded.ShardedKeras):
+        keras_sharded.broadcast_loaded(optimizer, root_rank, broadcast)
 
 
 def named_parameters(model: Any, to_numpy: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
@@ -183,6 +189,8 @@ def export_state(model: Any, optimizer: Any, to_numpy: Callable[[Any], Any]) -> 
         return arrays, None
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
+    if isinstance(optimizer, keras_sharded.ShardedKeras):  # gathered from every rank's part: a collective
+        return arrays, optimizer._hvdp_export(to_numpy)
     return arrays, [to_numpy(v.value) for v in optimizer.variables]
 
 
@@ -194,6 +202,9 @@ def import_state(model: Any, optimizer: Any, arrays: Dict[str, Any], optimizer_s
         return
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
+    if isinstance(optimizer, keras_sharded.ShardedKeras):
+        optimizer._hvdp_import(optimizer_state)  # this rank's part of the whole state
+        return
     if len(optimizer_state) != len(optimizer.variables):
         from hvdp.errors import CheckpointError
 

@@ -111,7 +111,10 @@ class Backend(HorovodJob):
                 f"(keras.optimizers.Optimizer), got {type(optimizer).__module__}."
                 f"{type(optimizer).__name__}."
             )
-        keras_adapter.refuse_keras_sharding(shard_optimizer_state)
+        if shard_optimizer_state:
+            size = self.size() if process_set is None else int(process_set.size())
+            return keras_adapter.shard_optimizer(optimizer, *reduction_plan(op, gradient_predivide_factor, size),
+                                                 compression, self._set(process_set), backward_passes_per_step)
         reduce = self._gradient_reducer(op, compression, gradient_predivide_factor, process_set,
                                         keras_adapter.keras_groups(groups))
         return keras_adapter.wrap_optimizer(optimizer, reduce, backward_passes_per_step)

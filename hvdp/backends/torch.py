@@ -184,9 +184,11 @@ class Backend(HorovodJob):
                 return wrapped
             return reduce_at_backward_end(wrapped)
         if keras_adapter.is_keras_optimizer(optimizer):
-            keras_adapter.refuse_keras_sharding(shard_optimizer_state)
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
+            if shard_optimizer_state:
+                return keras_adapter.shard_optimizer(optimizer, name, prescale, postscale, compression, horovod_set,
+                                                     backward_passes_per_step)
             horovod_op, comp = self._op(name), self._compression(compression)
             parts = keras_adapter.keras_groups(groups)
 

@@ -20,6 +20,7 @@ import horovod.torch as hvd
 import torch
 
 from hvdp import profiler
+from hvdp.backends.base import bounds
 from hvdp.backends.torch_gradients import complete
 
 #: Elements per chunk of a rank's part (1 MiB of float32): each chunk is one parameter of the optimizer.
@@ -27,18 +28,6 @@ CHUNK = 1 << 18
 #: torch's optimizers whose update of an element reads that element's gradient and state only.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD",
                "Rprop")
-
-
-def bounds(total: int, members: int, index: int) -> Tuple[int, int]:
-    """Elements ``[start, end)`` of a flat buffer of ``total`` that rank ``index`` of ``members`` owns.
-
-    Example:
-        >>> [bounds(10, 3, r) for r in range(3)]
-        [(0, 4), (4, 7), (7, 10)]
-    """
-    share, extra = divmod(total, members)
-    start = index * share + min(index, extra)
-    return start, start + share + (index < extra)
 
 
 def load_state_keeping_objects(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any],

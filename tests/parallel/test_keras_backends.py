@@ -161,3 +161,71 @@ def test_join_around_fit_trains_uneven_batches_with_ddp_join_meaning(job):
         assert result["vs_reference"]["close"], result["vs_reference"]
     assert len({r["digest"] for r in reports}) == 1, "weights or optimizer state differ"
     assert reports[0]["loss"] == reports[1]["loss"]
+
+
+# shard_optimizer_state=True with Keras optimizers (ZeRO stage 1): tests/parallel/workers/_keras_sharded.py.
+SHARDED = ("adam", "adamw", "sgd_momentum_schedule", "rmsprop_global_clipnorm", "adam_clipnorm")
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_sharded_keras_state_steps_as_one_process_and_each_rank_keeps_its_part(job, name):
+    """fit from different weights per rank (broadcast_state), each rank's own batches: the weights and the
+    whole state gathered from the ranks' parts equal one process on the union of the batches (rtol 1e-5),
+    and each rank holds its part of the 143 elements' slots (72 + 71: an uneven split)."""
+    slots = {"adam": 2, "adamw": 2, "adam_clipnorm": 2, "sgd_momentum_schedule": 1, "rmsprop_global_clipnorm": 1}[name]
+    parts = []
+    for rank in job.ranks:
+        got = rank["sharded"]["equivalence"][name]
+        assert got["moved"] > 1e-2, got
+        assert got["vs_one_process"]["close"], got["vs_one_process"]
+        assert got["state_vs_one_process"]["close"] and got["state_shapes_equal"], got
+        assert got["iterations"] == 3 and got["class"] == {"sgd_momentum_schedule": "SGD", "adamw": "AdamW",
+                                                          "rmsprop_global_clipnorm": "RMSprop"}.get(name, "Adam")
+        parts.append(got["part_elements"])
+        if "clipnorm" in name:  # clipping acted (without it the step differs), over whole variables
+            assert got["unclipped_differs_by"] > 1e-3, got
+    own = job.ranks[0]["sharded"]["equivalence"][name]["whole_elements"] - 143 * slots  # iterations, rate
+    assert [p - own for p in parts] == [72 * slots, 71 * slots], parts
+    assert len({r["sharded"]["equivalence"][name]["digest"] for r in job.ranks}) == 1, "replicas differ"
+
+
+def test_sharded_keras_options_equal_the_unsharded_optimizer_and_a_custom_loop_one_process(job):
+    for rank in job.ranks:
+        for option in ("fp16", "bpps2", "sum"):
+            assert rank["sharded"]["equivalence"][option]["max_abs"] <= 1e-6, (option, rank["sharded"]["equivalence"])
+        assert rank["sharded"]["custom_loop"]["vs_one_process"]["close"], rank["sharded"]["custom_loop"]
+    assert len({r["sharded"]["custom_loop"]["digest"] for r in job.ranks}) == 1, "replicas differ"
+
+
+def test_sharded_keras_checkpoints_hold_the_whole_state_and_load_sharded_or_not(job):
+    """hvdp.save_checkpoint gathers the whole state (the unsharded optimizer's order); it loads into an
+    unsharded and a sharded optimizer, each continuing as one process; an optimizer built before it is
+    sharded is taken apart with its state."""
+    for rank in job.ranks:
+        got = rank["sharded"]["checkpoints"]
+        for case in ("to_unsharded", "to_sharded"):
+            assert got[case]["iterations"] == 3, got[case]
+            assert got[case]["state_vs_saved"]["max_abs"] == 0.0, got[case]
+            assert got[case]["continued_vs_one_process"]["close"], got[case]
+        assert got["to_unsharded"]["state_elements"] == 288 and got["to_sharded"]["state_elements"] in (146, 144)
+        assert got["built_before"]["state_vs_given"]["max_abs"] == 0.0, got["built_before"]
+        assert got["built_before"]["part_elements"] in (146, 144)
+    for case in ("to_unsharded", "to_sharded"):
+        assert len({r["sharded"]["checkpoints"][case]["digest"] for r in job.ranks}) == 1, f"replicas differ ({case})"
+
+
+def test_sharded_keras_saving_gathers_through_model_checkpoint_and_refuses_a_lone_model_save(job):
+    for rank in job.ranks:
+        got = rank["sharded"]["saving"]
+        assert got["files"] == ["epoch-1.keras", "epoch-2.keras"]
+        assert got["loaded_vs_whole"]["max_abs"] == 0.0 and got["loaded_weights_equal"], got
+        assert got["refused"].startswith("ValueError: model.save / save_weights of a model whose optimizer is sharded "
+                                         "over 2 ranks"), got["refused"]
+        assert "hvdp.save_checkpoint(path, model, optimizer)" in got["refused"]
+        refused = rank["sharded"]["refusals"]
+        assert refused["lamb"].startswith("ValueError: hvdp.DistributedOptimizer(shard_optimizer_state=True) takes "
+                                          "Keras's elementwise optimizers"), refused
+        assert "LossScaleOptimizer" in refused["loss_scale"] and "use_ema=True" in refused["ema"], refused
+        assert refused["elastic"].startswith("ValueError: hvdp.elastic.State with a Keras optimizer made with "
+                                             "shard_optimizer_state=True"), refused
+        assert "pass model.trainable_variables" in refused["other_variables"], refused

@@ -22,6 +22,7 @@ import keras
 import hvdp.keras
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import _keras_sharded
 import _report
 from _report import compare, digest
 
@@ -394,7 +395,7 @@ def main() -> None:
               "resume": save_and_resume(rank, size),
               "helper": helper_model_on_one_rank(rank),
               "drift": drift_in_fit(rank), "custom_loop": drift_in_custom_loop(rank),
-              "uneven": uneven_fit(rank, size)}
+              "uneven": uneven_fit(rank, size), "sharded": _keras_sharded.report(rank, size)}
     _report.write(rank, record)
     hvdp.shutdown()
 

@@ -1,0 +1,111 @@
+"""The parts of a sharded Keras optimizer (:mod:`hvdp.backends.keras_sharded`): where this rank's
+elements lie (:class:`Layout`), the collectives that move them (:class:`Wire`), and the order of
+the whole state an unsharded optimizer would hold (:func:`unsharded_order`).
+
+Nothing here imports a framework at import time: the collectives are Horovod's for the
+Keras backend's framework, imported when a :class:`Wire` is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hvdp.backends.base import bounds
+
+Tag = Tuple[str, int, str]  # ("slot", model variable, slot name) or ("own", k-th own variable, "")
+
+
+class Wire:
+    """Horovod's collectives for the Keras backend's framework, within one process set."""
+
+    def __init__(self, op: str, compression: str, prescale: float, postscale: float, process_set: Any,
+                 label: str) -> None:
+        import keras
+
+        self.tf = keras.backend.backend() == "tensorflow"
+        if self.tf:
+            import horovod.tensorflow as hvd
+        else:
+            import horovod.torch as hvd
+        self.hvd, self.set, self.label = hvd, process_set, label
+        self.op = {"average": hvd.Average, "sum": hvd.Sum}[op]
+        self.compression, self.prescale, self.postscale = compression, prescale, postscale
+        self.members, self.index = int(process_set.size()), int(process_set.rank())
+
+    def _named(self, what: str) -> Dict[str, Any]:
+        name = {"name": f"{self.label}.{what}", "process_set": self.set}
+        return {**name, "ignore_name_scope": True} if self.tf else name
+
+    def scatter(self, flat: Any) -> Any:
+        """This rank's part of the sum (or average) of ``flat`` over the ranks."""
+        from keras import ops
+
+        sent = ops.cast(flat, "float16") if self.compression == "fp16" else flat
+        if self.members == 1:
+            reduced = sent * (self.prescale * self.postscale)
+        else:
+            reduced = self.hvd.reducescatter(sent, op=self.op, prescale_factor=self.prescale,
+                                             postscale_factor=self.postscale, **self._named("gradients"))
+        return ops.cast(reduced, flat.dtype)
+
+    def gather(self, part: Any, what: str = "parts") -> Any:
+        """Every rank's ``part``, in rank order."""
+        return part if self.members == 1 else self.hvd.allgather(part, **self._named(what))
+
+    def total(self, vector: Any) -> Any:
+        """The sum of ``vector`` over the ranks."""
+        return vector if self.members == 1 else self.hvd.allreduce(vector, op=self.hvd.Sum, **self._named("norms"))
+
+
+class Layout:
+    """Where each model variable's elements lie in the flat vector, and this rank's pieces of them."""
+
+    def __init__(self, variables: Sequence[Any], members: int, index: int) -> None:
+        self.shapes = [tuple(v.shape) for v in variables]
+        self.sizes = [int(_count(shape)) for shape in self.shapes]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.total = sum(self.sizes)
+        self.start, self.end = bounds(self.total, members, index)
+        # (model variable, first, last + 1) within that variable's flat elements
+        self.pieces: List[Tuple[int, int, int]] = []
+        for v, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+            first, last = max(offset, self.start), min(offset + size, self.end)
+            if last > first:
+                self.pieces.append((v, first - offset, last - offset))
+
+
+def _count(shape: Tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count
+
+
+def unsharded_order(cls: Any, config: Dict[str, Any], model: Sequence[Any]) -> List[Tuple[Tag, Tuple[int, ...]]]:
+    """The variables of a ``cls(**config)`` built on ``model``, as tags: one built on one-element stand-ins
+    records which model variable and slot each of its variables is."""
+    import keras
+
+    made: Dict[int, Tuple[int, str]] = {}
+    stand_ins = [keras.Variable([0.0], dtype=v.dtype, name=f"stand_in_{i}") for i, v in enumerate(model)]
+    which = {id(s): i for i, s in enumerate(stand_ins)}
+
+    def record(self: Any, reference_variable: Any, name: Optional[str] = None, initializer: Any = "zeros") -> Any:
+        created = cls.add_variable_from_reference(self, reference_variable, name, initializer)
+        if id(reference_variable) in which:
+            made[id(created)] = (which[id(reference_variable)], name or "var")
+        return created
+
+    recorder: Any = type(cls.__name__, (cls,), {"add_variable_from_reference": record})
+    template = recorder.from_config(config)
+    template.build(stand_ins)
+    order: List[Tuple[Tag, Tuple[int, ...]]] = []
+    own = 0
+    for variable in template.variables:
+        if id(variable) in made:
+            v, name = made[id(variable)]
+            order.append((("slot", v, name), tuple(model[v].shape)))
+        else:
+            order.append((("own", own, ""), tuple(variable.shape)))
+            own += 1
+    return order
