@@ -21,7 +21,7 @@ Sections:
   (:mod:`hvdp.bench.breakdown`).
 * ``sharded``: Adam with hvdp's ``shard_optimizer_state`` beside hvdp unsharded and torch's
   ``ZeroRedundancyOptimizer`` under DDP, at np=1 and np=2: step time, optimizer-state bytes and
-  peak RSS of every rank.
+  peak RSS of every rank; and Keras's Adam (TensorFlow) sharded beside unsharded.
 
 Example:
     >>> # hvdp bench --quick --json bench.json --plot bench.png

@@ -224,4 +224,13 @@ def plan(settings: Settings) -> List[Group]:
                            Contender(f"ddp ZeroRedundancyOptimizer {tag}", "ddp", "torch", np_, "gloo", "one-thread",
                                      model, optimizer="adam", shard=True)]
             groups.append(Group(f"sharded torch/{model}", people))
+        for model in ("cnn",) if quick else ("cnn", "resnet18"):  # a Keras optimizer sharded (no peer has one)
+            people = []
+            for np_ in (1, 2):
+                tag = f"tensorflow/{model} adam np={np_}"
+                people += [Contender(f"hvdp {tag}", "hvdp", "tensorflow", np_, "gloo", "one-thread", model,
+                                     optimizer="adam"),
+                           Contender(f"hvdp sharded {tag}", "hvdp", "tensorflow", np_, "gloo", "one-thread", model,
+                                     optimizer="adam", shard=True)]
+            groups.append(Group(f"sharded tensorflow/{model}", people))
     return groups

@@ -51,8 +51,13 @@ def build_model(name: str) -> Any:
     raise ValueError(f"Unknown model {name!r}. Expected one of: {', '.join(MODELS)}.")
 
 
-def train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tuple[int, int, List[float]]:
-    """Train ``model_name`` under ``impl`` (hvdp, horovod, mwms, single); (rank, size, seconds per measured step)."""
+def train(impl: str, model_name: str, batch: int, warmup: int, steps: int, optimizer: str = "sgd",
+          shard: bool = False) -> Tuple[int, int, List[float]]:
+    """Train ``model_name`` under ``impl`` (hvdp, horovod, mwms, single); (rank, size, seconds per measured step).
+
+    ``optimizer`` "adam" or ``shard`` (hvdp's shard_optimizer_state) also record each rank's
+    optimizer-state bytes and peak RSS (``timing.MEMORY``).
+    """
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
     import tensorflow as tf
@@ -65,21 +70,22 @@ def train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tu
         rank, size = int(json.loads(os.environ["TF_CONFIG"])["task"]["index"]), strategy.num_replicas_in_sync
         with strategy.scope():
             model = build_model(model_name)
-            optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+            opt = keras.optimizers.SGD(0.01, momentum=0.9)
             model.build((None, *_keras_shape(model_name)))
-            optimizer.build(model.trainable_variables)
+            opt.build(model.trainable_variables)
     else:
         model = build_model(model_name)
-        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-        optimizer.build(model.trainable_variables)
+        opt = keras.optimizers.Adam(0.001) if optimizer == "adam" else keras.optimizers.SGD(0.01, momentum=0.9)
+        if not shard:  # a sharded optimizer is built on its parts (built first, it is taken apart)
+            opt.build(model.trainable_variables)
     reduce: Optional[Callable[[List[Any]], List[Any]]] = None
     if impl == "hvdp":
         import hvdp
 
         hvdp.init(framework="tensorflow")
         rank, size = hvdp.rank(), hvdp.size()
-        optimizer = hvdp.DistributedOptimizer(optimizer)
-        hvdp.broadcast_state(model, optimizer)
+        opt = hvdp.DistributedOptimizer(opt, shard_optimizer_state=shard)
+        hvdp.broadcast_state(model, opt)
     elif impl == "horovod":
         import horovod.tensorflow as hvd
 
@@ -109,7 +115,7 @@ def train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tu
             grads = tape.gradient(loss, variables)
             if reduce is not None:
                 grads = reduce(grads)
-            optimizer.apply_gradients(zip(grads, variables))
+            opt.apply_gradients(zip(grads, variables))
             return loss
 
         def step(i: int) -> None:
@@ -123,7 +129,7 @@ def train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tu
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(per_example(labels, model(features, training=True))) / global_batch
             grads = tape.gradient(loss, variables)
-            optimizer.apply_gradients(zip(grads, variables))
+            opt.apply_gradients(zip(grads, variables))
             return loss
 
         @tf.function(jit_compile=False)
@@ -135,6 +141,13 @@ def train(impl: str, model_name: str, batch: int, warmup: int, steps: int) -> Tu
             float(train_mwms(x[i % timing.POOL], y[i % timing.POOL]))
 
     times = timing.timed_steps(step, warmup, steps)
+    if optimizer != "sgd" or shard:
+        mine = (int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in opt.variables)),
+                timing.peak_rss_bytes())
+        import hvdp
+
+        every = hvdp.allgather_object(mine) if impl == "hvdp" else [mine]
+        timing.MEMORY.update({"state_bytes": [e[0] for e in every], "peak_rss_bytes": [e[1] for e in every]})
     return rank, size, times
 
 

@@ -26,6 +26,8 @@ GROUPS = {
     "sharded torch/cnn": {f"{name} np={n}" for n in (1, 2) for name in (
         "sharded/unsharded step", "sharded/ZeroRedundancyOptimizer step", "state per rank sharded/unsharded",
         "peak RSS per rank sharded/unsharded")},
+    "sharded tensorflow/cnn": {f"{name} np={n}" for n in (1, 2) for name in (
+        "sharded/unsharded step", "state per rank sharded/unsharded", "peak RSS per rank sharded/unsharded")},
 }
 SWEEP = ["hvdp.allreduce (gloo)", "hvdp.allreduce out= (gloo)", "mpi4py Allreduce",
          "torch.distributed all_reduce (gloo)"]
@@ -118,6 +120,10 @@ def test_sharded_section_measures_every_ranks_optimizer_state_and_peak_rss(smoke
     assert whole[0] == whole[1] and all(abs(b - whole[0] / 2) <= 64 for b in sharded), (whole, sharded)
     zero = figures["ddp ZeroRedundancyOptimizer torch/cnn adam np=2"]["state_bytes_per_rank"]
     assert abs(sum(zero) - whole[0]) <= 256, (zero, whole)
+    keras = next(g for g in data["groups"] if g["name"] == "sharded tensorflow/cnn")["contenders"]
+    whole = keras["hvdp tensorflow/cnn adam np=2"]["state_bytes_per_rank"]  # Keras's Adam: its moments, step, rate
+    sharded = keras["hvdp sharded tensorflow/cnn adam np=2"]["state_bytes_per_rank"]
+    assert whole[0] == whole[1] and all(abs(b - whole[0] / 2) <= 64 for b in sharded), (whole, sharded)
     assert "optimizer state MB per rank" in stdout
 
 

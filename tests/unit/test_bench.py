@@ -52,7 +52,7 @@ def test_smoke_runs_every_quick_contender_once_at_a_few_steps():
     assert (smoke.mode, smoke.rounds, smoke.steps, smoke.warmup) == ("smoke", 1, 3, 1)
     assert smoke.sweep_bytes == (4096, 64 << 20) and smoke.breakdown_calls < quick.breakdown_calls
     labels = [[c.label for c in g.contenders] for g in bench.plan(smoke)]
-    assert labels == [[c.label for c in g.contenders] for g in bench.plan(quick)] and len(labels) == 6
+    assert labels == [[c.label for c in g.contenders] for g in bench.plan(quick)] and len(labels) == 7
     assert bench.make_settings(False, None, 5, None, None, smoke=True).steps == 5  # overrides still apply
 
 
@@ -81,6 +81,9 @@ def test_quick_plan_touches_every_section_and_alternates():
     sharded = next(g for g in groups if g.name == "sharded torch/cnn")
     assert [(c.impl, c.np, c.shard, c.optimizer) for c in sharded.contenders] == [
         (impl, n, shard, "adam") for n in (1, 2) for impl, shard in (("hvdp", False), ("hvdp", True), ("ddp", True))]
+    keras = next(g for g in groups if g.name == "sharded tensorflow/cnn")  # a Keras optimizer: no peer shards one
+    assert [(c.impl, c.framework, c.np, c.shard) for c in keras.contenders] == [
+        ("hvdp", "tensorflow", n, shard) for n in (1, 2) for shard in (False, True)]
     sweep = next(g for g in groups if g.name == "allreduce")
     assert [c.form for c in sweep.contenders if c.impl == "hvdp"] == ["new", "out"]
     only = bench.plan(bench.make_settings(True, None, None, None, "native"))
