@@ -21,6 +21,7 @@ import torch
 
 from hvdp import profiler
 from hvdp.backends.base import bounds
+from hvdp.backends.torch_amp import agree_on_overflow
 from hvdp.backends.torch_gradients import complete
 
 #: Elements per chunk of a rank's part (1 MiB of float32): each chunk is one parameter of the optimizer.
@@ -353,6 +354,7 @@ def shard(optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, comp
           postscale: float, process_set: Any) -> torch.optim.Optimizer:
     """``optimizer`` sharded over Horovod's ``process_set`` (module docstring): same class name and isinstance."""
     check_optimizer(optimizer)
+    agree_on_overflow()  # AMP's GradScaler: reduced before it unscales, and skipped steps agreed
     existing = optimizer.state_dict() if optimizer.state else None
     cls = type(type(optimizer).__name__, (ShardedStep, type(optimizer)), {"__module__": type(optimizer).__module__})
     sharded: Any = object.__new__(cls)
