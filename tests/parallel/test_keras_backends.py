@@ -6,14 +6,23 @@ from __future__ import annotations
 import pytest
 from harness import max_abs_diff, run_worker
 
+_JOBS: dict = {}
+
+
+def keras_job(framework, controller, tmp_path_factory):
+    """One keras_fit.py job per (framework, controller), shared by every test of this module."""
+    if (framework, controller) not in _JOBS:
+        out_dir = tmp_path_factory.mktemp(framework)
+        ran = run_worker("keras_fit.py", controller, framework, out_dir)
+        ran.framework, ran.out_dir = framework, out_dir
+        _JOBS[framework, controller] = ran
+    return _JOBS[framework, controller]
+
 
 @pytest.fixture(scope="module", params=[(f, c) for f in ("torch", "tensorflow") for c in ("gloo", "mpi")],
                 ids=lambda p: "-".join(p))
 def job(request, tmp_path_factory):
-    framework, controller = request.param
-    ran = run_worker("keras_fit.py", controller, framework, tmp_path_factory.mktemp(framework))
-    ran.framework = framework
-    return ran
+    return keras_job(*request.param, tmp_path_factory)
 
 
 def test_keras_runs_on_the_launcher_framework(job):
@@ -229,3 +238,17 @@ def test_sharded_keras_saving_gathers_through_model_checkpoint_and_refuses_a_lon
         assert refused["elastic"].startswith("ValueError: hvdp.elastic.State with a Keras optimizer made with "
                                              "shard_optimizer_state=True"), refused
         assert "pass model.trainable_variables" in refused["other_variables"], refused
+
+
+def test_a_keras_checkpoint_of_2_sharded_ranks_loads_at_3_and_continues_as_one_process(tmp_path_factory):
+    """Saved by the torch-backend Gloo job's sharded Adam at np=2 (72 + 71 elements a slot), loaded at np=3
+    (48 + 48 + 47) and continued one epoch: one process continuing from the same file on the union."""
+    saved = keras_job("torch", "gloo", tmp_path_factory).out_dir / "keras_sharded.ckpt"
+    ran = run_worker("keras_sharded_resume.py", "gloo", "torch", tmp_path_factory.mktemp("keras_resume"), np_=3,
+                     extra_env={"HVDP_SHARDED_CHECKPOINT": str(saved)})
+    found = [rank["resume"] for rank in ran.ranks]
+    for rank in found:
+        assert rank["loaded_iterations"] == 3 and rank["moved"] > 1e-2, rank
+        assert rank["vs_one_process"]["close"], rank["vs_one_process"]
+    assert [rank["part_elements"] for rank in found] == [2 * 48 + 2, 2 * 48 + 2, 2 * 47 + 2], found
+    assert len({rank["digest"] for rank in found}) == 1, "replicas differ"

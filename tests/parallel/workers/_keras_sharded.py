@@ -217,3 +217,23 @@ def refusals() -> dict:
 def report(rank: int, size: int) -> dict:
     return {"equivalence": equivalence(rank, size), "custom_loop": custom_loop(rank, size),
             "checkpoints": checkpoints(rank, size), "saving": saving(rank, size), "refusals": refusals()}
+
+
+def resume(rank: int, size: int, path: str) -> dict:
+    """At ``size`` ranks (a new split of the 143 elements): the np=2 job's checkpoint of its sharded Adam loaded
+    into a sharded Adam, one epoch on each rank's batches, against one process continuing from the same file."""
+    model = make_model(seed=20 + rank)
+    optimizer = hvdp.DistributedOptimizer(keras.optimizers.Adam(0.01), shard_optimizer_state=True)
+    model.compile(optimizer=optimizer, loss=loss())
+    hvdp.load_checkpoint(path, model, optimizer)
+    loaded = int(keras.ops.convert_to_numpy(optimizer.iterations))
+    part = state_elements(optimizer)
+    model.fit(*rank_data(rank), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    one = make_model(seed=30)
+    one_optimizer = keras.optimizers.Adam(0.01)  # plain: every rank steps the union alone
+    one.compile(optimizer=one_optimizer, loss=loss())
+    hvdp.load_checkpoint(path, one, one_optimizer)
+    one.fit(*union(size), batch_size=BATCH * size, epochs=1, shuffle=False, verbose=0)
+    return {"vs_one_process": compare(flat(model.trainable_variables), flat(one.trainable_variables)),
+            "loaded_iterations": loaded, "part_elements": part, "digest": digest(flat(model.trainable_variables)),
+            "moved": float(np.max(np.abs(flat(model.trainable_variables) - flat(make_model(seed=0).weights))))}
