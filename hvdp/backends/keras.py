@@ -15,7 +15,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvdp._keras_jobs import is_distributed, is_keras_optimizer
-from hvdp.backends import keras_sharded
+from hvdp.backends import keras_parts, keras_sharded
 
 ReduceFn = Callable[[List[Any]], List[Any]]
 BroadcastFn = Callable[[Any, int, str], Any]
@@ -53,19 +53,7 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
             f"This {cls.__name__} optimizer is already an hvdp.DistributedOptimizer; "
             "wrap the original optimizer once."
         )
-    if backward_passes_per_step > 1:
-        existing = optimizer.gradient_accumulation_steps
-        if existing not in (None, backward_passes_per_step):
-            raise ValueError(
-                f"backward_passes_per_step={backward_passes_per_step} contradicts the optimizer's "
-                f"gradient_accumulation_steps={existing}; set only one of them."
-            )
-        if optimizer.built and existing is None:
-            raise ValueError(
-                "backward_passes_per_step > 1 needs gradient accumulators, which a built optimizer "
-                "lacks: wrap the optimizer before its first step or broadcast_state()."
-            )
-        optimizer.gradient_accumulation_steps = backward_passes_per_step
+    keras_parts.accumulate(optimizer, backward_passes_per_step)
 
     loss_scaled = _is_loss_scale(optimizer)
     if loss_scaled and backward_passes_per_step > 1:

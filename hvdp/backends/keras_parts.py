@@ -109,3 +109,18 @@ def unsharded_order(cls: Any, config: Dict[str, Any], model: Sequence[Any]) -> L
             order.append((("own", own, ""), tuple(variable.shape)))
             own += 1
     return order
+
+
+def accumulate(optimizer: Any, backward_passes_per_step: int) -> None:
+    """Set a Keras optimizer's ``gradient_accumulation_steps`` for ``backward_passes_per_step`` > 1 (one update,
+    and one reduction, per that many passes), refusing a contradicting setting or a built optimizer."""
+    if backward_passes_per_step <= 1:
+        return
+    existing = optimizer.gradient_accumulation_steps
+    if existing not in (None, backward_passes_per_step):
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} contradicts the optimizer's "
+                         f"gradient_accumulation_steps={existing}; set only one of them.")
+    if optimizer.built and existing is None:
+        raise ValueError("backward_passes_per_step > 1 needs gradient accumulators, which a built optimizer "
+                         "lacks: wrap the optimizer before its first step or broadcast_state().")
+    optimizer.gradient_accumulation_steps = backward_passes_per_step

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hvdp.backends.keras_parts import Layout, Tag, Wire, unsharded_order
+from hvdp.backends.keras_parts import Layout, Tag, Wire, accumulate, unsharded_order
 
 #: Keras's optimizers whose update of an element reads that element's gradient and state only.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl")
@@ -265,15 +265,7 @@ def shard(optimizer: Any, wire: Wire, backward_passes_per_step: int) -> Any:
     from keras import ops
 
     check_optimizer(optimizer)
-    if backward_passes_per_step > 1:
-        existing = optimizer.gradient_accumulation_steps
-        if existing not in (None, backward_passes_per_step):
-            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} contradicts the optimizer's "
-                             f"gradient_accumulation_steps={existing}; set only one of them.")
-        if optimizer.built and existing is None:
-            raise ValueError("backward_passes_per_step > 1 needs gradient accumulators, which a built optimizer "
-                             "lacks: wrap the optimizer before its first step.")
-        optimizer.gradient_accumulation_steps = backward_passes_per_step
+    accumulate(optimizer, backward_passes_per_step)
     cls = type(optimizer)
     whole, model = None, None
     if optimizer.built:  # e.g. keras.models.load_model's: its whole state is taken apart below

@@ -213,24 +213,18 @@ def plan(settings: Settings) -> List[Group]:
     if "sharded" in sections:
         # Adam's state sharded (hvdp shard_optimizer_state, torch's ZeroRedundancyOptimizer under DDP) beside
         # hvdp unsharded, at np=1 and np=2: step time, optimizer-state bytes and peak RSS per rank.
-        for model in ("cnn",) if quick else ("cnn", "mlp", "resnet18"):
-            people = []
-            for np_ in (1, 2):
-                tag = f"torch/{model} adam np={np_}"
-                people += [Contender(f"hvdp {tag}", "hvdp", "torch", np_, "gloo", "one-thread", model,
-                                     optimizer="adam"),
-                           Contender(f"hvdp sharded {tag}", "hvdp", "torch", np_, "gloo", "one-thread", model,
-                                     optimizer="adam", shard=True),
-                           Contender(f"ddp ZeroRedundancyOptimizer {tag}", "ddp", "torch", np_, "gloo", "one-thread",
-                                     model, optimizer="adam", shard=True)]
-            groups.append(Group(f"sharded torch/{model}", people))
-        for model in ("cnn",) if quick else ("cnn", "resnet18"):  # a Keras optimizer sharded (no peer has one)
-            people = []
-            for np_ in (1, 2):
-                tag = f"tensorflow/{model} adam np={np_}"
-                people += [Contender(f"hvdp {tag}", "hvdp", "tensorflow", np_, "gloo", "one-thread", model,
-                                     optimizer="adam"),
-                           Contender(f"hvdp sharded {tag}", "hvdp", "tensorflow", np_, "gloo", "one-thread", model,
-                                     optimizer="adam", shard=True)]
-            groups.append(Group(f"sharded tensorflow/{model}", people))
+        models = {"torch": ("cnn", "mlp", "resnet18"), "tensorflow": ("cnn", "resnet18")}  # Keras's Adam on TF
+        for framework, names in models.items():
+            for model in ("cnn",) if quick else names:
+                people = []
+                for np_ in (1, 2):
+                    tag = f"{framework}/{model} adam np={np_}"
+                    people += [Contender(f"hvdp {tag}", "hvdp", framework, np_, "gloo", "one-thread", model,
+                                         optimizer="adam"),
+                               Contender(f"hvdp sharded {tag}", "hvdp", framework, np_, "gloo", "one-thread", model,
+                                         optimizer="adam", shard=True)]
+                    if framework == "torch":  # no peer shards a Keras optimizer's state
+                        people.append(Contender(f"ddp ZeroRedundancyOptimizer {tag}", "ddp", "torch", np_, "gloo",
+                                                "one-thread", model, optimizer="adam", shard=True))
+                groups.append(Group(f"sharded {framework}/{model}", people))
     return groups
