@@ -75,10 +75,7 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
                 # sees the same gradients and takes the same branch, as under tf.distribute.
                 grads = self._hvdp_reduce(list(grads))
             result = super().apply(grads, trainable_variables)
-            after_step = getattr(self, "_hvdp_after_step", None)
-            if after_step is not None and not getattr(self, "_hvdp_in_fit", False) and _runs_eagerly():
-                # A custom loop's update (fit runs the guard from a callback): the drift guard, each step.
-                after_step(lambda: _named(variables, _to_numpy))
+            keras_parts.guard_update(self, variables)
             return result
 
         def _clip_gradients(self, grads: List[Any]) -> List[Any]:
@@ -108,23 +105,6 @@ def _is_loss_scale(optimizer: Any) -> bool:
     return base is not None and isinstance(optimizer, base)
 
 
-def _runs_eagerly() -> bool:
-    """True unless this runs while TensorFlow traces a function (where Python runs once, not each step)."""
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
-        return True
-    import tensorflow as tf
-
-    return bool(tf.executing_eagerly())
-
-
-def _to_numpy(value: Any) -> Any:
-    from keras import ops
-
-    return ops.convert_to_numpy(value)
-
-
 def _zeros_like(variable: Any) -> Any:
     from keras import ops
 
@@ -152,21 +132,18 @@ def broadcast_state(model: Any, optimizer: Any, root_rank: int, broadcast: Broad
             )
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        own = keras_sharded.for_broadcast(optimizer)  # sharded: each rank's slots are its part of one state
-        variables += list(optimizer.variables) if own is None else own
+    sharded = isinstance(optimizer, keras_sharded.ShardedKeras)
+    if optimizer is not None:  # sharded: its own variables only, each rank's slots being its part of one state
+        variables += optimizer._hvdp_own() if sharded else list(optimizer.variables)
     for index, variable in enumerate(variables):
         variable.assign(broadcast(variable.value, root_rank, f"hvdp.state.{index}"))
-    if isinstance(optimizer, keras_sharded.ShardedKeras):
+    if sharded:
         keras_sharded.broadcast_loaded(optimizer, root_rank, broadcast)
 
 
 def named_parameters(model: Any, to_numpy: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
     """(path, array) for each trainable variable of a Keras model."""
-    return _named(model.trainable_variables, to_numpy)
-
-
-def _named(variables: Sequence[Any], to_numpy: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
-    return [(variable.path, to_numpy(variable.value)) for variable in variables]
+    return [(variable.path, to_numpy(variable.value)) for variable in model.trainable_variables]
 
 
 def export_state(model: Any, optimizer: Any, to_numpy: Callable[[Any], Any]) -> Tuple[Dict[str, Any], Any]:

@@ -124,3 +124,25 @@ def accumulate(optimizer: Any, backward_passes_per_step: int) -> None:
         raise ValueError("backward_passes_per_step > 1 needs gradient accumulators, which a built optimizer "
                          "lacks: wrap the optimizer before its first step or broadcast_state().")
     optimizer.gradient_accumulation_steps = backward_passes_per_step
+
+
+def guard_update(optimizer: Any, variables: Sequence[Any]) -> None:
+    """After an update a custom loop applied (``fit`` runs the guard from a callback): the optimizer's drift
+    guard, with ``variables``' values, if it has one and this runs eagerly (not while TensorFlow traces)."""
+    after_step = getattr(optimizer, "_hvdp_after_step", None)
+    if after_step is None or getattr(optimizer, "_hvdp_in_fit", False) or not _runs_eagerly():
+        return
+    from keras import ops
+
+    after_step(lambda: [(v.path, ops.convert_to_numpy(v.value)) for v in variables])
+
+
+def _runs_eagerly() -> bool:
+    """True unless this runs while TensorFlow traces a function (where Python runs once, not each step)."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return True
+    import tensorflow as tf
+
+    return bool(tf.executing_eagerly())

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hvdp.backends.keras_parts import Layout, Tag, Wire, accumulate, unsharded_order
+from hvdp.backends.keras_parts import Layout, Tag, Wire, accumulate, guard_update, unsharded_order
 
 #: Keras's optimizers whose update of an element reads that element's gradient and state only.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl")
+
 
 def check_optimizer(optimizer: Any) -> None:
     """Refuse what a sharded Keras update would change, naming it and the fix."""
@@ -136,9 +137,7 @@ class ShardedKeras:
             if variable.constraint is not None:
                 variable.assign(variable.constraint(variable))
         own.loaded = None
-        after_step = getattr(self, "_hvdp_after_step", None)
-        if after_step is not None and not getattr(self, "_hvdp_in_fit", False) and _runs_eagerly():
-            after_step(lambda: [(v.path, ops.convert_to_numpy(v.value)) for v in model])
+        guard_update(self, model)
 
     def _clip_gradients(self, grads: List[Any]) -> List[Any]:
         """Keras's clipping of the reduced gradients, over whole model variables (the pieces' norms summed)."""
@@ -190,8 +189,6 @@ class ShardedKeras:
         own, order = self._hvdp_shards, self._hvdp_order()
         layout = own.layout
         assert layout is not None
-        if own.loaded is not None and own.wire.members == 1:
-            return list(own.loaded)
         slots = {own.slots[id(v)]: v for v in self.variables if id(v) in own.slots}  # type: ignore[attr-defined]
         names = list(dict.fromkeys(name for (kind, _, name), _ in order if kind == "slot"))
         dtype = own.model[0].dtype if own.model else "float32"
@@ -284,14 +281,6 @@ def shard(optimizer: Any, wire: Wire, backward_passes_per_step: int) -> Any:
     return optimizer
 
 
-def for_broadcast(optimizer: Any) -> Optional[List[Any]]:
-    """The variables :func:`hvdp.broadcast_state` sends of a sharded optimizer (its own ones: the iteration
-    count, the learning rate): each rank's slots are its part of one state. None: not sharded."""
-    if not isinstance(optimizer, ShardedKeras):
-        return None
-    return optimizer._hvdp_own()
-
-
 def broadcast_loaded(optimizer: Any, root_rank: int, broadcast: Any) -> None:
     """The whole state ``root_rank`` last loaded, if it did (``hvdp.load_checkpoint`` reads on rank 0 alone),
     sent to every rank to take its part of. ``broadcast(tensor, root, name)`` is broadcast_state's."""
@@ -309,13 +298,3 @@ def broadcast_loaded(optimizer: Any, root_rank: int, broadcast: Any) -> None:
         value = np.asarray(own.loaded[i], kind_dtype) if own.loaded is not None else np.zeros(shape, kind_dtype)
         whole.append(ops.convert_to_numpy(broadcast(ops.convert_to_tensor(value), root_rank, f"hvdp.zero.whole.{i}")))
     optimizer._hvdp_import(whole)
-
-
-def _runs_eagerly() -> bool:
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
-        return True
-    import tensorflow as tf
-
-    return bool(tf.executing_eagerly())
