@@ -152,7 +152,8 @@ class Backend(HorovodJob):
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
             names = {p: n for n, p in model.named_parameters()} if isinstance(model, torch.nn.Module) else {}
-            return shard(optimizer, names, self._op(name), compression, prescale, postscale, horovod_set)
+            return shard(optimizer, names, self._op(name), compression, prescale, postscale, horovod_set,
+                         backward_passes_per_step)
         if isinstance(optimizer, torch.optim.Optimizer):
             named: Optional[list] = None
             if model is not None:

@@ -2,8 +2,9 @@
 
 ``hvdp.DistributedOptimizer(opt, model, shard_optimizer_state=True)``. Each param group's
 parameters and gradients become views of two flat buffers (autograd accumulates into the
-gradient views). Rank r of n owns the elements :func:`bounds` gives of each buffer, the
-part reducescatter hands it. ``step()`` reduce-scatters the gradient buffers, steps the
+gradient views), cut into buckets (:mod:`hvdp.backends.torch_buckets`). Rank r of n owns
+the elements :func:`bounds` gives of each bucket, the part reducescatter hands it. Backward
+reduce-scatters each bucket as its gradients are ready; ``step()`` waits for them, steps the
 user's optimizer on views of this rank's part (in chunks: its state is 1/n of the model's),
 then each rank broadcasts its updated part in place: every replica holds the whole model.
 torch's built-in optimizers update each element from that element alone, so the step is
@@ -20,8 +21,10 @@ import horovod.torch as hvd
 import torch
 
 from hvdp import profiler
+from hvdp.backends import torch_sharded_state
 from hvdp.backends.base import bounds
 from hvdp.backends.torch_amp import agree_on_overflow
+from hvdp.backends.torch_buckets import Bucket, Reducer, plan, send_bucket
 from hvdp.backends.torch_gradients import complete
 
 #: Elements per chunk of a rank's part (1 MiB of float32): each chunk is one parameter of the optimizer.
@@ -75,7 +78,7 @@ class Shards:
     """The flat buffers of parameters and gradients, this rank's parts of them, and a sharded step's collectives."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, compression: str,
-                 prescale: float, postscale: float, process_set: Any) -> None:
+                 prescale: float, postscale: float, process_set: Any, passes_per_step: int = 1) -> None:
         self.optimizer, self.op, self.compression, self.set = optimizer, op, compression, process_set
         self.prescale, self.postscale = prescale, postscale
         self.params: List[List[torch.nn.Parameter]] = [list(group["params"]) for group in optimizer.param_groups]
@@ -90,8 +93,12 @@ class Shards:
             for p, view in zip(params, self.views(flat, params)):
                 p.data = view
         self.attach_grads(zero=False)
+        self.buckets = plan([[p.numel() for p in params] for params in self.params])
+        self.reducer = Reducer(self.params, self.grads, self.buckets, self.views, self.send,
+                               lambda: self.attach_grads(zero=True), self.lay_out, passes_per_step)
         self.members, self.index = -1, -1
         self.parts: List[List[torch.nn.Parameter]] = []  # per group: this rank's part, in chunks
+        self.chunked: List[List[Tuple[int, int]]] = []  # per group and chunk: its bucket, its offset in the part
         self.reduced = False  # this step's gradients are reduced into the parts' .grad
         self.loaded: Optional[Dict[str, Any]] = None  # the whole state last loaded, until the next step
 
@@ -118,23 +125,53 @@ class Shards:
         members, index = self.set.size(), self.set.rank()  # in the process set (the job's by default)
         if (members, index) == (self.members, self.index):
             return
+        self.reducer.reset()
+        self.reducer.active = members > 1
         if self.members > 0 and self.optimizer.state and not loading:
             raise RuntimeError(
                 f"hvdp: the ranks changed ({self.members} -> {members}) and this rank's optimizer state belongs to the "
                 f"old parts. Fix: load the whole state again (opt.load_state_dict(whole); hvdp.load_checkpoint "
                 f"does).")
         self.members, self.index = members, index
-        self.parts = []
-        for flat, group in zip(self.flats, self.optimizer.param_groups):
-            start, end = bounds(flat.numel(), members, index)
+        self.parts, self.chunked = [], []
+        for g, (flat, group) in enumerate(zip(self.flats, self.optimizer.param_groups)):
             # Views (stepping them updates the model), in chunks: torch's optimizers run faster on tensors
             # of about 1 MB than on one of a whole model (Adam on ResNet-18: 28 ms against 63 on one core).
-            chunks = [torch.nn.Parameter(flat[i:min(i + CHUNK, end)]) for i in range(start, end, CHUNK)] or \
-                [torch.nn.Parameter(flat[start:end])]
-            group["params"] = chunks
-            self.parts.append(chunks)
+            chunks, where = [], []
+            for b, bucket in enumerate(self.buckets):
+                if bucket.group == g:
+                    start, end = self.segment(bucket, index)
+                    for i in range(start, end, CHUNK):
+                        chunks.append(torch.nn.Parameter(flat[i:min(i + CHUNK, end)]))
+                        where.append((b, i - start))
+            group["params"] = chunks or [torch.nn.Parameter(flat[0:0])]
+            self.parts.append(group["params"])
+            self.chunked.append(where or [(-1, 0)])
         self.optimizer.state.clear()
         self.reduced = False
+
+    def segment(self, bucket: Bucket, index: int) -> Tuple[int, int]:
+        """Rank ``index``'s range of its group's buffer in ``bucket``."""
+        start, end = bounds(bucket.end - bucket.start, self.members, index)
+        return bucket.start + start, bucket.start + end
+
+    def segments(self, g: int, index: int) -> List[Tuple[int, int]]:
+        """Rank ``index``'s part of group ``g``'s buffer: its range in each bucket, in order."""
+        return [self.segment(bucket, index) for bucket in self.buckets if bucket.group == g]
+
+    def in_buffer_order(self, g: int, gathered: torch.Tensor) -> torch.Tensor:
+        """Every rank's part of group ``g``, end to end in rank order (an allgather), in the buffer's order."""
+        out, offset = torch.empty_like(gathered), 0
+        for rank in range(self.members):
+            for start, end in self.segments(g, rank):
+                out[start:end] = gathered[offset:offset + end - start]
+                offset += end - start
+        return out
+
+    def send(self, b: int) -> Any:
+        bucket = self.buckets[b]
+        return send_bucket(self.grads[bucket.group], bucket, self.compression, self.op, self.prescale,
+                           self.postscale, self.set, f"hvdp.zero.gradients.{b}")
 
     def check_views(self) -> None:
         """The parameters must still be views of the buffers (``model.to()`` or ``p.data = ...`` replaces them)."""
@@ -147,32 +184,41 @@ class Shards:
                     f"would not reach it. Fix: move the model first, then make the optimizer.")
 
     def reduce(self) -> None:
-        """Reduce-scatter this step's gradients; this rank's part of each gradient buffer gets the result."""
+        """This step's reduced gradients: the parts' ``.grad``, from the buckets' reducescatters.
+
+        Those backward started if its last pass sent every bucket; otherwise (fewer passes
+        than ``backward_passes_per_step``, gradients set by hand, one rank) sent now.
+        """
         if self.reduced:
             return
         self.lay_out()
         self.check_views()
-        self.attach_grads(zero=True)
-        sent = [g.half() if self.compression == "fp16" and g.is_floating_point() else g for g in self.grads]
-        scale = self.prescale * self.postscale
+        reducer, scale = self.reducer, self.prescale * self.postscale
         if self.members == 1:  # one rank: its part is the whole buffer, and the reduction its own gradient
-            for grads, one in zip(self.grads, sent):
-                if one is not grads or scale != 1.0:
-                    grads.copy_(one * scale)
+            self.attach_grads(zero=True)
+            reduced = {}
+            for b, bucket in enumerate(self.buckets):
+                view = self.grads[bucket.group][bucket.start:bucket.end]
+                one = view.half() if self.compression == "fp16" and view.is_floating_point() else view
+                reduced[b] = view if one is view and scale == 1.0 else (one * scale).to(view.dtype)
+        elif reducer.sent():
+            reducer.check_unchanged(dict((p, n) for n, p in self.named))
+            reduced = reducer.take()
         else:
-            reduced = complete(hvd.grouped_reducescatter_async(
-                sent, name="hvdp.zero.gradients", op=self.op, prescale_factor=self.prescale,
-                postscale_factor=self.postscale, process_set=self.set))
-            for grads, part in zip(self.grads, reduced):
-                start, end = bounds(grads.numel(), self.members, self.index)
-                if part.numel() != end - start:
-                    raise RuntimeError(f"hvdp: reducescatter gave this rank {part.numel()} gradient elements for a "
-                                       f"part of {end - start}; the ranks split the buffers differently.")
-                grads[start:end].copy_(part)
-        for chunks, grads in zip(self.parts, self.grads):  # only now: before, they would be this rank's own
-            start = bounds(grads.numel(), self.members, self.index)[0]
-            for chunk in chunks:
-                chunk.grad, start = grads[start:start + chunk.numel()], start + chunk.numel()
+            reducer.drop()
+            self.attach_grads(zero=True)
+            reducer.pending = {b: self.send(b) for b in range(len(self.buckets))}
+            reduced = reducer.take()
+        for b, part in reduced.items():
+            start, end = self.segment(self.buckets[b], self.index)
+            if part.numel() != end - start:
+                raise RuntimeError(f"hvdp: reducescatter gave this rank {part.numel()} gradient elements for a "
+                                   f"part of {end - start}; the ranks split the buckets differently.")
+            dtype = self.grads[self.buckets[b].group].dtype
+            reduced[b] = part if part.dtype == dtype else part.to(dtype)
+        for chunks, where in zip(self.parts, self.chunked):
+            for chunk, (b, offset) in zip(chunks, where):
+                chunk.grad = reduced[b][offset:offset + chunk.numel()] if b >= 0 else torch.zeros_like(chunk)
         self.reduced = True
 
     def gather(self) -> None:
@@ -180,16 +226,22 @@ class Shards:
         if self.members == 1:
             return  # the part is the whole buffer: stepped in place
         handles, ranks = [], job_ranks(self.set)
-        for g, flat in enumerate(self.flats):
+        for b, bucket in enumerate(self.buckets):
             for rank in range(self.members):  # a broadcast's root is a rank of the job
-                start, end = bounds(flat.numel(), self.members, rank)
+                start, end = self.segment(bucket, rank)
                 if end > start:
-                    handles.append(hvd.broadcast_async_(flat[start:end], ranks[rank], name=f"hvdp.zero.part.{g}.{rank}",
-                                                        process_set=self.set))
-        complete(*handles)
+                    handles.append(hvd.broadcast_async_(self.flats[bucket.group][start:end], ranks[rank],
+                                                        name=f"hvdp.zero.part.{b}.{rank}", process_set=self.set))
+        if handles:
+            complete(*handles)
+
+    whole_state = torch_sharded_state.whole_state
+    part_state = torch_sharded_state.part_state
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers; every ``.grad`` stays their view (``set_to_none`` would undo the views)."""
+        self.reducer.drop()  # a backward's reduction no step took
+        self.reducer.passes = 0
         for grads in self.grads:
             grads.zero_()
         self.attach_grads(zero=False)
@@ -197,79 +249,6 @@ class Shards:
             for chunk in chunks:
                 chunk.grad = None
         self.reduced = False
-
-    # The whole state, in torch's unsharded format.
-
-    def whole_state(self, local: Dict[str, Any]) -> Dict[str, Any]:
-        """Every rank's part of each state tensor, gathered (a collective); ``local`` is the parts' state_dict."""
-        first = [sum(len(p) for p in self.parts[:g]) for g in range(len(self.parts))]  # a group's first chunk
-        keys = sorted({key for entry in local["state"].values() for key in entry})
-        gathered, requests = [], []
-        for g, chunks in enumerate(self.parts):
-            entries = [local["state"].get(first[g] + c, {}) for c in range(len(chunks))]
-            for key in keys:
-                values = [entry.get(key) for entry in entries]
-                if all(torch.is_tensor(v) and v.dim() == 1 and v.shape == c.shape for v, c in zip(values, chunks)):
-                    requests.append((g, key))
-                    gathered.append(torch.cat([v.detach() for v in values]))
-        wholes = complete(hvd.grouped_allgather_async(gathered, name="hvdp.zero.state",
-                                                      process_set=self.set)) if gathered else []
-        by_request = dict(zip(requests, wholes))
-        state_out: Dict[int, Dict[str, Any]] = {}
-        groups_out, index = [], 0
-        for g, (params, group) in enumerate(zip(self.params, local["param_groups"])):
-            state = local["state"].get(first[g], {})
-            ids = list(range(index, index + len(params)))
-            index += len(params)
-            for i in ids:
-                state_out[i] = {key: value.clone() if torch.is_tensor(value) else value  # one counter each
-                                for key, value in state.items() if (g, key) not in by_request}
-            for key in state:
-                if (g, key) in by_request:
-                    for i, view in zip(ids, self.views(by_request[g, key], params)):
-                        state_out[i][key] = view.clone()
-            groups_out.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        return {"state": {i: entry for i, entry in state_out.items() if entry}, "param_groups": groups_out}
-
-    def part_state(self, whole: Dict[str, Any]) -> Dict[str, Any]:
-        """This rank's part of ``whole`` (torch's unsharded format), as the parts' state_dict."""
-        groups = whole.get("param_groups", [])
-        if [len(group["params"]) for group in groups] != [len(params) for params in self.params]:
-            raise ValueError(
-                f"hvdp: the optimizer state holds param groups of {[len(g['params']) for g in groups]} parameters, "
-                f"this optimizer {[len(params) for params in self.params]}. Load a state saved by the same model "
-                f"and optimizer.")
-        state_in = {int(key): value for key, value in whole.get("state", {}).items()}
-        state_out: Dict[int, Dict[str, Any]] = {}
-        groups_out, index = [], 0
-        for g, (params, group, chunks) in enumerate(zip(self.params, groups, self.parts)):
-            ids = list(range(index, index + len(chunks)))
-            index += len(chunks)
-            groups_out.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-            entries = [state_in.get(int(i), {}) for i in group["params"]]
-            keys = sorted({key for entry in entries for key in entry})
-            if not keys:
-                continue
-            missing = [n for n, entry in enumerate(entries) if set(entry) != set(keys)]
-            if missing:
-                raise ValueError(f"hvdp: param group {g} has optimizer state for some parameters only (none or other "
-                                 f"keys for parameter {missing[0]}); a sharded optimizer keeps one state per group.")
-            start, end = bounds(sum(p.numel() for p in params), self.members, self.index)
-            out: List[Dict[str, Any]] = [{} for _ in chunks]
-            for key in keys:
-                values = [entry[key] for entry in entries]
-                if all(torch.is_tensor(v) and v.shape == p.shape and v.dim() > 0 for v, p in zip(values, params)):
-                    part = torch.cat([v.reshape(-1) for v in values])[start:end]
-                    offset = 0
-                    for entry, chunk in zip(out, chunks):
-                        entry[key] = part[offset:offset + chunk.numel()].clone()
-                        offset += chunk.numel()
-                else:  # a counter the parameters share (Adam's step)
-                    for entry in out:
-                        entry[key] = values[0].clone() if torch.is_tensor(values[0]) else values[0]
-            state_out.update(zip(ids, out))
-        return {"state": state_out, "param_groups": groups_out}
-
 
 class ShardedStep:
     """The methods a sharded optimizer's class gets over the user's optimizer class."""
@@ -306,7 +285,15 @@ class ShardedStep:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        yield  # nothing is reduced before step(): every backward pass accumulates locally
+        """Backward passes in this block accumulate ``.grad`` locally; the next one outside reduces the sum."""
+        reducer = self._hvdp_shards.reducer
+        if reducer.local:
+            raise RuntimeError("optimizer.no_sync() blocks do not nest; leave the open one first.")
+        reducer.local = True
+        try:
+            yield
+        finally:
+            reducer.local, reducer.passes = False, 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; ``.grad`` stays allocated (a view of the gradient buffer) whatever ``set_to_none``."""
@@ -351,7 +338,7 @@ class ShardedStep:
 
 
 def shard(optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, compression: str, prescale: float,
-          postscale: float, process_set: Any) -> torch.optim.Optimizer:
+          postscale: float, process_set: Any, passes_per_step: int = 1) -> torch.optim.Optimizer:
     """``optimizer`` sharded over Horovod's ``process_set`` (module docstring): same class name and isinstance."""
     check_optimizer(optimizer)
     agree_on_overflow()  # AMP's GradScaler: reduced before it unscales, and skipped steps agreed
@@ -361,7 +348,7 @@ def shard(optimizer: torch.optim.Optimizer, names: Dict[Any, str], op: Any, comp
     sharded.__dict__ = optimizer.__dict__  # one object's state: a scheduler made on the original drives both
     if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
         del optimizer.__dict__["step"]  # a scheduler's wrapper of the original's step, which would bypass the parts
-    shards = Shards(optimizer, names, op, compression, prescale, postscale, process_set)
+    shards = Shards(optimizer, names, op, compression, prescale, postscale, process_set, passes_per_step)
     sharded._hvdp_shards = shards
     shards.lay_out()
     if existing is not None:

@@ -294,3 +294,34 @@ def test_a_checkpoint_of_2_sharded_ranks_loads_at_3_or_1_and_continues_as_one_pr
         assert abs(result["state_elements"] - 2 * result["whole_elements"] / ranks) <= 4, result
     assert sum(r["state_elements"] for r in found) == 2 * found[0]["whole_elements"]
     assert len({r["digest"] for r in found}) == 1, "replicas differ"
+
+
+def test_sharded_backward_sends_each_bucket_as_its_gradients_are_ready(torch_job):
+    """Three buckets: all sent by the hooks before backward returns. With a layer forward never uses, its
+    bucket goes at the end of the pass, and the run still steps as one process."""
+    found = sharded(torch_job, "overlap")
+    for rank in found:
+        assert rank["early"] == {"buckets": 3, "pending": 3, "early": 3}, rank["early"]
+        unused = rank["unused"]
+        assert unused["close"] and unused["buckets"] == 3 and unused["early"] == [2] * 5, unused
+        assert rank["after"] == 2.0
+    assert len({rank["unused"]["digest"] for rank in found}) == 1, "replicas differ"
+
+
+@pytest.mark.parametrize("case", ["extra_pass", "no_sync"])
+def test_sharded_two_backward_passes_a_step_reduce_their_sum(torch_job, case):
+    """backward_passes_per_step=1 and two passes (the first's reduction is dropped, the second reduces the sum);
+    or the first inside no_sync(): as one process on the two halves' summed loss."""
+    found = [rank[case] for rank in sharded(torch_job, "overlap")]
+    for result in found:
+        assert result["close"], result
+    assert len({r["digest"] for r in found}) == 1, "replicas differ"
+
+
+def test_sharded_step_refuses_a_grad_changed_after_backward_and_loses_nothing(torch_job):
+    for rank in sharded(torch_job, "overlap"):
+        changed = rank["changed"]
+        assert changed["clip"].startswith("RuntimeError") and "changed in place" in changed["clip"], changed
+        assert "opt.clip_grad_norm_(max_norm)" in changed["clip"], changed
+        assert "2.bias.grad was replaced" in changed["replaced"], changed
+        assert changed["unchanged"] and changed["moved"] > 1e-4, changed

@@ -49,7 +49,8 @@ def flat(model: torch.nn.Module) -> np.ndarray:
 
 def two_groups(model: torch.nn.Module) -> list:
     """Two param groups with their own learning rates: the per-group hyperparameters are kept."""
-    return [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.05}]
+    return [{"params": model[0].parameters()},
+            {"params": [p for layer in list(model)[2:] for p in layer.parameters()], "lr": 0.05}]
 
 
 def step_once(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, option: str,
@@ -250,17 +251,22 @@ def grad_scaler(rank: int, size: int) -> dict:
 
 
 def small_chunks() -> None:
-    """Parts in chunks of 100 elements, so that a rank's part of the 697-element group is several parameters
-    of the optimizer (and the 136-element group one), as a large model's are."""
-    from hvdp.backends import torch_sharded
+    """Parts in chunks of 100 elements, so that a rank's part of the 561-element group is several parameters
+    of the optimizer (and the 136-element group one), as a large model's are; and buckets of 30 elements, so
+    that the first group's two tensors are a bucket each (and the second group's one), sent one by one as
+    backward makes them, each split over the ranks on its own."""
+    from hvdp.backends import torch_buckets, torch_sharded
 
     torch_sharded.CHUNK = 100
+    torch_buckets.FIRST = torch_buckets.BUCKET = 30
 
 
 def run(rank: int, size: int) -> dict:
     small_chunks()
+    import _overlap
+
     return {"equivalence": equivalence(rank, size), "checkpoints": checkpoints(rank, size),
-            "grad_scaler": grad_scaler(rank, size), "refusals": refusals(rank)}
+            "grad_scaler": grad_scaler(rank, size), "refusals": refusals(rank), "overlap": _overlap.run(rank, size)}
 
 
 def resume(rank: int, size: int, path: str) -> dict:
