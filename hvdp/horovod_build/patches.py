@@ -53,12 +53,13 @@ _OPS = "horovod/common/operations.cc"
 #: wait is a condition variable: ``horovod_hvdp_wake_loop()`` (C, called by hvdp's backends
 #: through ctypes once a step's gradients or a blocking collective are enqueued) ends it, and so
 #: does a grouped allreduce (``grouped_allreduce``, hvdp's TensorFlow gradients: a group is enqueued
-#: whole, so nothing more is coming for it). Every rank still meets in each round, so a woken round
-#: waits for the others as any round does. A rank whose round ended with a tensor it submitted
-#: before that round still unfinished (another rank submitted it a round later, so the ranks' rounds
-#: are one apart) starts its next round within 1 ms, not at the end of the cycle: the other rank's
-#: woken round is waiting for it, and nothing else would wake it. ``HVDP_EARLY_WAKE=0`` turns it
-#: all off (measured on/off by ``hvdp bench``).
+#: whole, so nothing more is coming for it), an allgather and a reducescatter (a sharded optimizer's
+#: step waits for each in turn, on TensorFlow from inside a traced step, where no Python runs).
+#: Every rank still meets in each round, so a woken round waits for the others as any round does.
+#: A rank whose round ended with a tensor it submitted before that round still unfinished (another
+#: rank submitted it a round later, so the ranks' rounds are one apart) starts its next round within
+#: 1 ms, not at the end of the cycle: the other rank's woken round is waiting for it, and nothing
+#: else would wake it. ``HVDP_EARLY_WAKE=0`` turns it all off (measured on/off by ``hvdp bench``).
 EARLY_WAKE: Tuple[Patch, ...] = (
     Patch(_OPS, "#include <thread>\n", "#include <condition_variable>\n#include <mutex>\n#include <thread>\n",
           "the early wake's condition variable"),
@@ -155,6 +156,18 @@ EARLY_WAKE: Tuple[Patch, ...] = (
           "    HvdpWake();  // hvdp: a group arrives whole; nothing more is coming for it\n"
           "  }\n",
           "a grouped allreduce wakes the loop"),
+    *(Patch(_OPS,
+            "      process_set.tensor_queue.AddToTensorQueueMulti(entries, messages);\n\n  return status;\n}\n\n"
+            "// Contexts and controller must be initialized and the background thread\n"
+            f"// must be running before this function is called.\nStatus EnqueueTensor{following}(",
+            "      process_set.tensor_queue.AddToTensorQueueMulti(entries, messages);\n"
+            "  if (status.ok()) {\n"
+            f"    HvdpWake();  // hvdp: {kind} is what its caller waits for next\n"
+            "  }\n\n  return status;\n}\n\n"
+            "// Contexts and controller must be initialized and the background thread\n"
+            f"// must be running before this function is called.\nStatus EnqueueTensor{following}(",
+            f"{kind} wakes the loop (a sharded step waits for each, and nothing else is coming for it)")
+      for kind, following in (("an allgather", "Broadcast"), ("a reducescatter", "Alltoall"))),
     Patch(_OPS, "bool horovod_gloo_built() {\n",
           "void horovod_hvdp_wake_loop() { HvdpWake(); }\n\nbool horovod_gloo_built() {\n",
           "the C entry point hvdp's backends call (its name matches *horovod*, the pattern Horovod's "

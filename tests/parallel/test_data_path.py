@@ -1,9 +1,10 @@
 """hvdp.allreduce(out=...) and the early wake of Horovod's loop, under horovodrun -np 2.
 
 The jobs run with HOROVOD_CYCLE_TIME=200 (ms) so that the wake is unmistakable: a
-blocking 4 KB allreduce or a gradient step that wakes Horovod's loop ends well inside
-one cycle; with HVDP_EARLY_WAKE=0 it waits for the next round, most of a cycle. This
-checks behaviour, not speed (``hvdp bench`` measures that at the default cycle).
+blocking 4 KB allreduce, allgather or reducescatter, a gradient step or a sharded
+Keras update that wakes Horovod's loop ends well inside one cycle; with
+HVDP_EARLY_WAKE=0 it waits for the next round, most of a cycle. This checks behaviour,
+not speed (``hvdp bench`` measures that at the default cycle).
 """
 
 from __future__ import annotations
@@ -65,9 +66,14 @@ def test_blocking_allreduce_and_gradient_step_wake_horovods_loop(job):
             assert r["allreduce_4k_ms"] < WOKEN_MAX_MS and r["allreduce_4k_out_ms"] < WOKEN_MAX_MS, r
         else:  # TensorFlow's eager allreduce blocks inside Horovod, where nothing can wake the loop
             assert r["allreduce_4k_ms"] > UNWOKEN_MIN_MS, r
+            # a sharded Keras update traced: its reducescatter and allgather each wake the loop
+            assert r["sharded_step_ms"] < WOKEN_MAX_MS, r
+        # Horovod's own allgather and reducescatter wake the loop at their enqueue (the build's patch)
+        assert r["allgather_4k_ms"] < WOKEN_MAX_MS and r["reducescatter_4k_ms"] < WOKEN_MAX_MS, r
 
 
 def test_without_the_wake_the_same_calls_wait_for_the_next_round(unwoken):
     for r in unwoken.ranks:
         assert r["early_wake"] == "0"
         assert r["allreduce_4k_ms"] > UNWOKEN_MIN_MS and r["step_ms"] > UNWOKEN_MIN_MS, r
+        assert r["allgather_4k_ms"] > UNWOKEN_MIN_MS and r["reducescatter_4k_ms"] > UNWOKEN_MIN_MS, r

@@ -67,6 +67,10 @@ def torch_checks(rank: int, record: Dict[str, Any]) -> None:
     small = torch.ones(1024)  # 4 KB
     record["allreduce_4k_ms"] = median_ms(lambda: hvdp.allreduce(small, op="sum", name="small"))
     record["allreduce_4k_out_ms"] = median_ms(lambda: hvdp.allreduce(small, op="sum", name="small_out", out=small))
+    import horovod.torch as hvd  # Horovod's own calls: the build's loop wakes at their enqueue
+
+    record["allgather_4k_ms"] = median_ms(lambda: hvd.allgather(small, name="gather"))
+    record["reducescatter_4k_ms"] = median_ms(lambda: hvd.reducescatter(small, name="scatter"))
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -110,6 +114,10 @@ def tensorflow_checks(rank: int, record: Dict[str, Any]) -> None:
 
     small = tf.ones(1024)  # 4 KB; TensorFlow's eager op blocks inside Horovod: no wake for it
     record["allreduce_4k_ms"] = median_ms(lambda: hvdp.allreduce(small, op="sum", name="small"))
+    import horovod.tensorflow as hvd  # its eager allgather and reducescatter wake the loop at their enqueue
+
+    record["allgather_4k_ms"] = median_ms(lambda: hvd.allgather(small, name="gather"))
+    record["reducescatter_4k_ms"] = median_ms(lambda: hvd.reducescatter(small, name="scatter"))
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)])
@@ -124,6 +132,19 @@ def tensorflow_checks(rank: int, record: Dict[str, Any]) -> None:
         optimizer.apply(grads, model.trainable_variables)  # 4 gradients: one grouped allreduce
 
     record["step_ms"] = median_ms(step)
+
+    # A sharded optimizer's update in a traced step: a reducescatter, then an allgather, each woken.
+    sharded = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)])
+    zero = hvdp.DistributedOptimizer(keras.optimizers.Adam(0.01), shard_optimizer_state=True)
+    zero.build(sharded.trainable_variables)
+
+    @tf.function
+    def traced() -> None:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, sharded(x))
+        zero.apply(tape.gradient(loss, sharded.trainable_variables), sharded.trainable_variables)
+
+    record["sharded_step_ms"] = median_ms(traced)
 
 
 def main() -> None:
