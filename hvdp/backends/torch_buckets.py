@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 import horovod.torch as hvd
 import torch
 
-from hvdp.backends.torch_gradients import wake
+from hvdp.backends.torch_gradients import complete, wake
 
 #: Elements of the first bucket (the last layers' gradients, ready first): 1 MiB of float32.
 FIRST = 1 << 18
@@ -156,7 +156,6 @@ class Reducer:
 
     def take(self) -> Dict[int, torch.Tensor]:
         """The reduced part of every bucket, waiting for the reducescatters."""
-        from hvdp.backends.torch_gradients import complete
         order = sorted(self.pending)
         results = complete(*[self.pending[b] for b in order])
         self.clear()
