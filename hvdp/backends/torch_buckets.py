@@ -176,10 +176,14 @@ class Reducer:
         self.passes, self.queued, self.late = 0, False, None
 
 
+def on_the_wire(view: torch.Tensor, compression: str) -> torch.Tensor:
+    """``view`` as it is sent: float16 under ``compression="fp16"`` (floating point only), else itself."""
+    return view.half() if compression == "fp16" and view.is_floating_point() else view
+
+
 def send_bucket(flat: torch.Tensor, bucket: Bucket, compression: str, op: Any, prescale: float, postscale: float,
                 process_set: Any, name: str) -> Any:
     """Start the reducescatter of ``bucket`` of the gradient buffer ``flat``; its handle."""
-    view = flat[bucket.start:bucket.end]
-    sent = view.half() if compression == "fp16" and view.is_floating_point() else view
-    return hvd.reducescatter_async(sent, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale,
+    return hvd.reducescatter_async(on_the_wire(flat[bucket.start:bucket.end], compression), name=name, op=op,
+                                   prescale_factor=prescale, postscale_factor=postscale,
                                    process_set=process_set)

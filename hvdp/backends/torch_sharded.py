@@ -24,7 +24,7 @@ from hvdp import profiler
 from hvdp.backends import torch_sharded_state
 from hvdp.backends.base import bounds
 from hvdp.backends.torch_amp import agree_on_overflow
-from hvdp.backends.torch_buckets import Bucket, Reducer, plan, send_bucket
+from hvdp.backends.torch_buckets import Bucket, Reducer, on_the_wire, plan, send_bucket
 from hvdp.backends.torch_gradients import complete
 
 #: Elements per chunk of a rank's part (1 MiB of float32): each chunk is one parameter of the optimizer.
@@ -199,7 +199,7 @@ class Shards:
             reduced = {}
             for b, bucket in enumerate(self.buckets):
                 view = self.grads[bucket.group][bucket.start:bucket.end]
-                one = view.half() if self.compression == "fp16" and view.is_floating_point() else view
+                one = on_the_wire(view, self.compression)
                 reduced[b] = view if one is view and scale == 1.0 else (one * scale).to(view.dtype)
         elif reducer.sent():
             reducer.check_unchanged(dict((p, n) for n, p in self.named))
