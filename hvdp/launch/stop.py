@@ -104,11 +104,26 @@ def _launcher_name(process: Any) -> Optional[str]:
 
 
 def descendants() -> List[Any]:
-    """Every live process below this one (with the subreaper set, orphans of the job included)."""
+    """Every live process below this one (with the subreaper set, orphans of the job included).
+
+    A process that ends while the tree is read is left out, and only it: while a job ends, its
+    helpers vanish between the listing and the look at each (one error must not empty the list,
+    or :func:`stop_tree` would take the tree for ended and skip the grace period).
+    """
     try:
-        return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+        listed = psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
+    live = []
+    for process in listed:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                live.append(process)
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.Error:  # not ours to read (AccessDenied): still alive
+            live.append(process)
+    return live
 
 
 def reap_orphans(keep: Iterable[int] = ()) -> None:

@@ -83,6 +83,25 @@ def test_a_signal_ends_the_whole_tree_orphans_and_sigterm_ignorers_included(tmp_
     assert 2 <= took < 6, took
 
 
+def test_the_tree_read_while_processes_come_and_go_still_holds_every_live_one():
+    """A job's helpers vanish while hvdp run reads its tree; the ones still alive must stay in it
+    (an empty read made stop_tree skip the grace period and SIGKILL ranks at once)."""
+    from hvdp.launch.stop import descendants
+
+    steady = subprocess.Popen(["sleep", "60"])
+    churn = subprocess.Popen(["bash", "-c", "while true; do /bin/true & /bin/true & wait; done"])
+    try:
+        time.sleep(0.3)
+        reads = 500
+        missed = sum(steady.pid not in {p.pid for p in descendants()} for _ in range(reads))
+    finally:
+        churn.kill()
+        steady.kill()
+        churn.wait()
+        steady.wait()
+    assert missed == 0, f"a live child was missing from {missed} of {reads} reads of the tree"
+
+
 def test_the_wait_message_names_workers_hosts_causes_listing_and_time():
     watcher = JobWatcher()
     watcher.feed("[1]<stderr>:RuntimeError: boom at step 30\n")
