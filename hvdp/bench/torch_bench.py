@@ -117,8 +117,15 @@ def train(impl: str, model_name: str, batch: int, warmup: int, steps: int, optim
     if optimizer != "sgd" or shard:
         timing.MEMORY.update(_memory(impl, getattr(opt, "optim", opt)))
     if impl == "ddp":
+        import gc
+
         import torch.distributed as dist
 
+        # DDP and ZeroRedundancyOptimizer hold the process group (and ZeRO its last broadcasts'
+        # work handles): let them go while the interpreter is whole, so that the group's Gloo
+        # threads end in destroy_process_group, not at exit (where torch aborts now and then).
+        del step, opt, model
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
     return rank, size, times
