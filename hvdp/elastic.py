@@ -43,7 +43,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, TypeVar
 import numpy as np
 
 from hvdp import _runtime
-from hvdp.backends import keras_sharded
 from hvdp.data import epoch_order, plan_batches
 
 __all__ = ["Sampler", "State", "run"]
@@ -106,11 +105,6 @@ class State:
         # A sharded optimizer's state is saved whole, gathered from every worker: at a commit or a
         # sync (every worker at once), never here (a worker that joins is alone in making its State).
         self._sharded = getattr(optimizer, "_hvdp_shards", None) is not None
-        if isinstance(getattr(optimizer, "_hvdp_shards", None), keras_sharded.Sharding):
-            raise ValueError("hvdp.elastic.State with a Keras optimizer made with shard_optimizer_state=True: its "
-                             "parts are Keras variables made once for one world (and captured by fit's compiled "
-                             "step), so they cannot be laid out again when workers come and go. Fix: "
-                             "shard_optimizer_state=False in elastic jobs (a torch optimizer can be sharded in them).")
         # Horovod's State tracks the host updates the launcher sends and the reset callbacks.
         self._hosts = HorovodState(bcast_object=lambda obj: backend.broadcast_object(obj, 0, None),
                                    get_rank=backend.rank)

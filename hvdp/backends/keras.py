@@ -168,6 +168,8 @@ def import_state(model: Any, optimizer: Any, arrays: Dict[str, Any], optimizer_s
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
     if isinstance(optimizer, keras_sharded.ShardedKeras):
+        if optimizer._hvdp_relayout() and is_keras_model(model):  # the workers changed: fit compiles anew
+            model.train_function = None
         optimizer._hvdp_import(optimizer_state)  # this rank's part of the whole state
         return
     if len(optimizer_state) != len(optimizer.variables):

@@ -32,6 +32,17 @@ class Wire:
         self.compression, self.prescale, self.postscale = compression, prescale, postscale
         self.members, self.index = int(process_set.size()), int(process_set.rank())
 
+    def live(self) -> Tuple[int, int]:
+        """The process set's size and this rank's index in it now (an elastic job's world changes)."""
+        return int(self.set.size()), int(self.set.rank())
+
+    def moved(self) -> bool:
+        """True if the process set's members changed since (an elastic job's new world): then they are taken."""
+        if self.live() == (self.members, self.index):
+            return False
+        self.members, self.index = self.live()
+        return True
+
     def _named(self, what: str) -> Dict[str, Any]:
         name = {"name": f"{self.label}.{what}", "process_set": self.set}
         return {**name, "ignore_name_scope": True} if self.tf else name

@@ -62,6 +62,7 @@ class Sharding:
         self.order: Optional[List[Tuple[Tag, Tuple[int, ...]]]] = None  # the unsharded order, once asked for
         self.loaded: Optional[List[Any]] = None  # the whole state last loaded, until the next update
         self.prepared: Optional[List[Any]] = None  # the whole state gathered for rank 0's save
+        self.current: Any = None  # 1 while the pieces are the optimizer's; 0 once laid out anew (an elastic change)
 
 
 class ShardedKeras:
@@ -89,6 +90,7 @@ class ShardedKeras:
         own.pieces = [keras.Variable(ops.reshape(variables[v].value, [-1])[first:last], dtype=variables[v].dtype,
                                      trainable=True, name=f"hvdp_part_{v}") for v, first, last in layout.pieces]
         own.piece_of = {id(piece): p for p, piece in enumerate(own.pieces)}
+        own.current = keras.Variable(1, dtype="int32", trainable=False, name="hvdp_layout_current")
         super().build(own.pieces)  # type: ignore[misc]
         for piece, (v, _, _) in zip(own.pieces, layout.pieces):
             own.owner[self._var_key(piece)] = variables[v]  # type: ignore[attr-defined]
@@ -103,14 +105,31 @@ class ShardedKeras:
         return created
 
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> Any:
-        from keras import ops
-
         own = self._hvdp_shards
         if not self.built:
             if trainable_variables is None:
                 raise ValueError("A sharded optimizer's first apply needs the trainable variables: "
                                  "optimizer.apply(grads, model.trainable_variables).")
             self.build(list(trainable_variables))
+        if own.wire.live() != (own.wire.members, own.wire.index):
+            raise ValueError(
+                f"hvdp.DistributedOptimizer(shard_optimizer_state=True) laid out its state over "
+                f"{own.wire.members} workers, and the job has {own.wire.live()[0]} now. Fix: hold the model and "
+                f"optimizer in an hvdp.elastic.State and train in a function decorated with hvdp.elastic.run, "
+                f"which lays the state out again over the new workers.")
+        check = _still_current(own)
+        if check is None:
+            self._hvdp_apply(grads, trainable_variables)
+            return
+        import tensorflow as tf
+
+        with tf.control_dependencies([check]):  # before any collective of this step
+            self._hvdp_apply(grads, trainable_variables)
+
+    def _hvdp_apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]]) -> None:
+        from keras import ops
+
+        own = self._hvdp_shards
         model, layout = own.model, own.layout
         assert layout is not None
         given = model if trainable_variables is None else list(trainable_variables)
@@ -177,6 +196,18 @@ class ShardedKeras:
         if own.order is None:
             own.order = unsharded_order(own.cls, self.get_config(), own.model)  # type: ignore[attr-defined]
         return own.order
+
+    def _hvdp_relayout(self) -> bool:
+        """After the workers changed (an elastic job's new world), this rank's part laid out over them
+        anew, to take its state with :meth:`_hvdp_import` next; steps compiled for the old layout are
+        refused when they run. False if the workers are the same."""
+        own = self._hvdp_shards
+        if not self.built or not own.wire.moved():
+            return False
+        own.current.assign(0)
+        _unbuild(self, len(self._hvdp_own()))
+        self.build(own.model)
+        return True
 
     def _hvdp_own(self) -> List[Any]:
         """The optimizer's variables that are no piece's slot (the iteration count, a learning rate)."""
@@ -257,6 +288,31 @@ def _flat(values: List[Any], dtype: Any) -> Any:
     return ops.concatenate(values) if values else ops.zeros((0,), dtype)
 
 
+def _unbuild(optimizer: Any, kept: int) -> None:
+    """``optimizer`` as before its build: its first ``kept`` variables (made in its constructor) only."""
+    del optimizer._variables[kept:]
+    optimizer._trainable_variables, optimizer._trainable_variables_indices = [], {}
+    optimizer.built = False
+
+
+def _still_current(own: Sharding) -> Any:
+    """While TensorFlow traces a step: an op that fails if the pieces it steps are no longer the optimizer's
+    (the trace outlived a change of workers); None when the step runs eagerly (it reads the layout each time)."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        return None
+    return tf.debugging.assert_equal(
+        own.current.value, 1, message="hvdp.DistributedOptimizer(shard_optimizer_state=True): this step was "
+        "compiled (tf.function) before the workers of the job changed, for the old layout of the optimizer state. "
+        "Fix: make the tf.function inside the function hvdp.elastic.run decorates (it runs again after each "
+        "change); model.fit and train_on_batch compile again by themselves.")  # no quote: TensorFlow escapes it
+
+
 def shard(optimizer: Any, wire: Wire, backward_passes_per_step: int) -> Any:
     """``optimizer`` sharded over ``wire``'s process set (module docstring), in place: same class name."""
     from keras import ops
@@ -268,10 +324,7 @@ def shard(optimizer: Any, wire: Wire, backward_passes_per_step: int) -> Any:
     if optimizer.built:  # e.g. keras.models.load_model's: its whole state is taken apart below
         whole = [ops.convert_to_numpy(v.value) for v in optimizer.variables]
         model = list(optimizer._trainable_variables)
-        own = len(cls.from_config(optimizer.get_config()).variables)  # made before build
-        del optimizer._variables[own:]
-        optimizer._trainable_variables, optimizer._trainable_variables_indices = [], {}
-        optimizer.built = False
+        _unbuild(optimizer, len(cls.from_config(optimizer.get_config()).variables))  # those made before build
     sharded = type(cls.__name__, (ShardedKeras, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
     optimizer.__class__ = sharded
     optimizer._hvdp_shards = Sharding(cls, wire)

@@ -16,7 +16,6 @@ import numpy as np
 from _report import compare, digest
 
 import hvdp
-import hvdp.elastic
 import hvdp.keras
 
 FEATURES, CLASSES, BATCH, STEPS = 16, 3, 16, 3  # 16 * 7 + 7 + 7 * 3 + 3 = 143 elements: an uneven split at np=2
@@ -209,7 +208,6 @@ def refusals() -> dict:
     return {"lamb": _report.refusal(sharded(keras.optimizers.Lamb())),
             "loss_scale": _report.refusal(sharded(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))),
             "ema": _report.refusal(sharded(keras.optimizers.Adam(use_ema=True))),
-            "elastic": _report.refusal(lambda: hvdp.elastic.State(model, optimizer)),
             "other_variables": _report.refusal(lambda: optimizer.apply(
                 [keras.ops.zeros(v.shape) for v in other.trainable_variables], other.trainable_variables))}
 

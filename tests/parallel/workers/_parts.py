@@ -27,13 +27,13 @@ def torch_parts(seed: int, width: int = 16, shard: bool = False) -> tuple:
     return model, optimizer, step, flat
 
 
-def keras_parts(seed: int, width: int = 16) -> tuple:
+def keras_parts(seed: int, width: int = 16, shard: bool = False) -> tuple:
     import keras
 
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input(shape=(8,)), keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(3)])
-    optimizer = hvdp.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    optimizer = hvdp.DistributedOptimizer(keras.optimizers.Adam(0.01), shard_optimizer_state=shard)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
     def step(x: np.ndarray, y: np.ndarray) -> None:

@@ -1,6 +1,6 @@
 """Elastic training that goes from 2 workers to 1 and back to 2, on the framework hvdp run chose,
 with a torch module (argv[1] == "torch"; "sharded": its Adam with shard_optimizer_state=True) or a
-Keras 3 model ("keras", on either Keras backend).
+Keras 3 model ("keras", on either Keras backend; "keras-sharded": its Adam sharded).
 
 The job runs under ``hvdp run --elastic`` with a discovery script that prints the file
 $HVDP_TEST_OUT/hosts: two names of this machine (localhost and 127.0.0.1), one slot each,
@@ -15,8 +15,9 @@ so that Horovod can blacklist the "host" of the killed worker and keep the other
 Every worker that finishes writes rank{N}.json: each commit's step counter in order, the
 step counter and size at each (re)start of the training function, the sizes it trained at,
 its reset callbacks, timestamps of the events, and its final parameters' digest and largest
-difference from every other rank's; for torch, the Adam step counters of the whole optimizer state
-and how many elements of Adam's first moment this rank holds.
+difference from every other rank's; but for unsharded Keras, the Adam step counters of the whole
+optimizer state and how many elements of Adam's first moment this rank holds. With Keras sharded on
+TensorFlow, rank 0 also traces a step at np=2 and runs it at np=1: what it raised ("stale").
 """
 
 from __future__ import annotations
@@ -50,13 +51,17 @@ def batch(epoch: int, number: int, rank: int) -> tuple:
     return data.normal(size=(BATCH, 8)).astype(np.float32), data.integers(0, 3, size=BATCH)
 
 
-PARTS = {"torch": torch_parts, "keras": keras_parts, "sharded": lambda seed: torch_parts(seed, shard=True)}
+PARTS = {"torch": torch_parts, "keras": keras_parts, "sharded": lambda seed: torch_parts(seed, shard=True),
+         "keras-sharded": lambda seed: keras_parts(seed, shard=True)}
 
 
 def adam(optimizer) -> dict:
     """The step counters of the whole state (gathered when sharded: every rank calls it) and this rank's part."""
     if sys.argv[1] == "keras":
         return {}
+    if sys.argv[1] == "keras-sharded":  # one step counter; the first moments are this rank's pieces
+        return {"adam_steps": [float(optimizer.iterations.numpy())],
+                "adam_elements": sum(int(np.prod(m.shape)) for m in optimizer._momentums)}
     whole = optimizer.state_dict()
     return {"adam_steps": sorted({float(s["step"]) for s in whole["state"].values()}),
             "adam_elements": sum(int(s["exp_avg"].numel()) for s in optimizer.state.values())}
@@ -81,6 +86,39 @@ def main() -> None:
     state = hvdp.elastic.State(model, optimizer, epoch=0, batch=0, step=0)
     state.register_reset_callbacks([lambda: resets.append(hvdp.size())])
 
+    stale: dict = {}
+
+    def trace_a_step() -> None:
+        """A step compiled for the np=2 layout (traced, not run), for rank 0 to run at np=1; and a second
+        sharded optimizer outside the State (every rank makes it, as it would be in a real script)."""
+        import keras
+
+        if sys.argv[1] != "keras-sharded":
+            return
+        other, other_optimizer, _, _ = keras_parts(1, shard=True)
+        other_optimizer.build(other.trainable_variables)
+        stale["other"] = (other, other_optimizer)
+        if keras.backend.backend() == "tensorflow" and hvdp.rank() == 0:
+            import tensorflow as tf
+
+            zeros = [tf.zeros(v.shape) for v in model.trainable_variables]
+            stale["step"] = tf.function(lambda: optimizer.apply(zeros, model.trainable_variables)) \
+                .get_concrete_function()
+
+    def run_stale() -> None:
+        if "other" in stale and "unmanaged" not in stale:
+            import keras
+
+            other, other_optimizer = stale.pop("other")
+            stale["unmanaged"] = _report.refusal(lambda: other_optimizer.apply(
+                [keras.ops.zeros(v.shape) for v in other.trainable_variables], other.trainable_variables))
+        if "step" in stale and "raised" not in stale:
+            try:
+                stale["step"]()
+                stale["raised"] = None
+            except Exception as error:  # what it raised is the result
+                stale["raised"] = f"{type(error).__name__}: {error}"
+
     def commit() -> None:
         commits.append(state.step)
         state.commit()
@@ -88,6 +126,10 @@ def main() -> None:
     @hvdp.elastic.run
     def train(state: hvdp.elastic.State) -> None:
         starts.append([state.step, hvdp.size()])  # after the sync (or the restore)
+        if hvdp.size() == 2 and first and not starts[:-1]:
+            trace_a_step()
+        if hvdp.size() == 1:
+            run_stale()
         while state.epoch < EPOCHS:
             while state.batch < BATCHES:
                 size = hvdp.size()
@@ -126,6 +168,8 @@ def main() -> None:
         "sizes": sizes, "resets": resets, "starts": starts, "events": events, "epoch": state.epoch, "step": state.step,
         "final": digest(parameters),
         "max_abs_diff": max(float(np.max(np.abs(other - parameters))) for other in everyone),
+        **({"stale": stale["raised"]} if "raised" in stale else {}),
+        **({"unmanaged": stale["unmanaged"]} if "unmanaged" in stale else {}),
     })
     hvdp.shutdown()
 
