@@ -12,10 +12,11 @@ from hvdp.frameworks import SPECS
 from hvdp.launch import defaults
 
 SECTIONS = ("overhead", "native", "allreduce", "scaling", "breakdown", "sharded")
-#: The allocator settings hvdp run gives local jobs (:mod:`hvdp.launch.defaults`), given to DDP/MWMS too
-#: in the full run.
+#: The allocator settings hvdp run gives local jobs (:mod:`hvdp.launch.defaults`: glibc's and torch's),
+#: given to DDP/MWMS too in the full run.
 MALLOC_SETTINGS = (("MALLOC_MMAP_THRESHOLD_", defaults.MALLOC_MMAP_THRESHOLD),
-                   ("MALLOC_TRIM_THRESHOLD_", defaults.MALLOC_TRIM_THRESHOLD))
+                   ("MALLOC_TRIM_THRESHOLD_", defaults.MALLOC_TRIM_THRESHOLD),
+                   ("THP_MEM_ALLOC_ENABLE", defaults.TORCH_THP))
 
 
 #: float32 allreduce sizes of the sweep, in bytes: 4 KB to 256 MB, by factors of 4 (--quick stops at 64 MB).
@@ -163,7 +164,7 @@ def plan(settings: Settings) -> List[Group]:
             native = SPECS[framework].bench_native
             people.append(Contender(f"{native} {tag}", native, framework, np_, controller, "threads", model))
             if not quick:  # the native contender given hvdp's allocator settings too: the like-for-like ratio
-                people.append(Contender(f"{native} with hvdp's malloc settings {tag}", native, framework, np_,
+                people.append(Contender(f"{native} with hvdp's allocator settings {tag}", native, framework, np_,
                                         controller, "threads", model, env=dict(MALLOC_SETTINGS)))
         return people
 

@@ -25,7 +25,7 @@ Defaults hvdp sets when you have not: OMP_NUM_THREADS, TF_NUM_INTRAOP_THREADS an
 TF_NUM_INTEROP_THREADS so that local processes share the cores instead of
 oversubscribing them (in a Slurm allocation: SLURM_CPUS_PER_TASK threads); for local
 jobs, HOROVOD_CYCLE_TIME=5, MALLOC_MMAP_THRESHOLD_=134217728,
-MALLOC_TRIM_THRESHOLD_=268435456 and, under --mpi,
+MALLOC_TRIM_THRESHOLD_=268435456, THP_MEM_ALLOC_ENABLE=1 and, under --mpi,
 OMPI_MCA_mpi_yield_when_idle=1 (measured by hvdp bench; see hvdp/launch/defaults.py).
 Any other option before COMMAND is passed to horovodrun (see horovodrun --help)."""
 

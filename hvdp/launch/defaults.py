@@ -45,6 +45,21 @@ MPI_YIELD_WHEN_IDLE = "1"
 MALLOC_MMAP_THRESHOLD = str(128 << 20)
 MALLOC_TRIM_THRESHOLD = str(256 << 20)
 
+#: torch's CPU allocator, with THP_MEM_ALLOC_ENABLE=1, aligns each block of 2 MB or more on 2 MB and
+#: asks for transparent huge pages there (madvise), so a fresh block faults in 2 MB pages, not 4 KB
+#: ones. The heap settings above keep freed blocks for reuse, but a heap the job's small allocations
+#: cut up still serves big tensors from fresh memory: one process allocating and filling a 64 MB
+#: tensor faulted 16384 pages each time without it, 544 with it. Measured (np=2 Gloo, 64 MB float32,
+#: ``hvdp.allreduce(t)`` returning a new tensor with a barrier between calls, medians of 10 calls,
+#: 2 alternated runs each): 109.6 / 100.0 ms without, 71.2 / 68.3 ms with (``out=`` 74-84 ms in both).
+#: Back to back (``hvdp bench --quick --only allreduce``, 3 alternated runs) and in training (torch
+#: CNN and ResNet-18, hvdp and DDP, 3 alternated runs of 20 steps) it changed nothing beyond the
+#: noise: new-result 64 MB 72-81 ms without, 74-83 with; step time ratios with / without 0.99-1.05.
+#: The cost: a block of 2 MB or more takes whole 2 MB pages (ResNet-18 with Adam, peak RSS per rank
+#: 611-614 MB without, 612-619 with). Only where the kernel's transparent_hugepage mode is madvise
+#: or always; TensorFlow ignores it.
+TORCH_THP = "1"
+
 
 def horovod_defaults(controller: str, framework: Optional[str], local: bool,
                      environ: Mapping[str, str]) -> Dict[str, str]:
@@ -54,8 +69,9 @@ def horovod_defaults(controller: str, framework: Optional[str], local: bool,
     hosts given with -H, a hostfile or Slurm, Horovod's own defaults apply.
 
     Example:
-        >>> horovod_defaults("gloo", "torch", True, {})
-        {'HOROVOD_CYCLE_TIME': '5', 'MALLOC_MMAP_THRESHOLD_': '134217728', 'MALLOC_TRIM_THRESHOLD_': '268435456'}
+        >>> sorted(horovod_defaults("gloo", "torch", True, {}).items())  # doctest: +NORMALIZE_WHITESPACE
+        [('HOROVOD_CYCLE_TIME', '5'), ('MALLOC_MMAP_THRESHOLD_', '134217728'),
+         ('MALLOC_TRIM_THRESHOLD_', '268435456'), ('THP_MEM_ALLOC_ENABLE', '1')]
         >>> horovod_defaults("mpi", "torch", False, {})
         {}
     """
@@ -64,6 +80,7 @@ def horovod_defaults(controller: str, framework: Optional[str], local: bool,
         chosen["HOROVOD_CYCLE_TIME"] = CPU_CYCLE_TIME_MS
         chosen["MALLOC_MMAP_THRESHOLD_"] = MALLOC_MMAP_THRESHOLD
         chosen["MALLOC_TRIM_THRESHOLD_"] = MALLOC_TRIM_THRESHOLD
+        chosen["THP_MEM_ALLOC_ENABLE"] = TORCH_THP
         if controller == "mpi":
             chosen["OMPI_MCA_mpi_yield_when_idle"] = MPI_YIELD_WHEN_IDLE
     return {var: value for var, value in chosen.items() if var not in environ}

@@ -39,7 +39,7 @@ def test_defaults_gloo_framework_env_and_thread_split(arity):
                    "TF_NUM_INTRAOP_THREADS": "4", "TF_NUM_INTEROP_THREADS": "1",
                    "HOROVOD_STALL_CHECK_TIME_SECONDS": "60", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300",
                    "HOROVOD_CYCLE_TIME": "5", "MALLOC_MMAP_THRESHOLD_": "134217728",
-                   "MALLOC_TRIM_THRESHOLD_": "268435456"}
+                   "MALLOC_TRIM_THRESHOLD_": "268435456", "THP_MEM_ALLOC_ENABLE": "1"}
 
 
 def test_user_settings_win_over_defaults(arity):
@@ -54,10 +54,12 @@ def test_measured_horovod_defaults_are_set_only_for_local_jobs_and_yield_to_the_
                           cpu_count=2)[1]
     assert local["HOROVOD_CYCLE_TIME"] == "5" and local["OMPI_MCA_mpi_yield_when_idle"] == "1"
     assert local["MALLOC_MMAP_THRESHOLD_"] == str(128 << 20) and local["MALLOC_TRIM_THRESHOLD_"] == str(256 << 20)
+    assert local["THP_MEM_ALLOC_ENABLE"] == "1"
     gloo = build_command(parse_run_args(["-np", "2", "python", "t.py"], arity), {}, cpu_count=2)[1]
     assert "OMPI_MCA_mpi_yield_when_idle" not in gloo
     remote = build_command(parse_run_args(["-H", "a:1,b:1", "python", "t.py"], arity), {}, cpu_count=2)[1]
     assert "HOROVOD_CYCLE_TIME" not in remote and "MALLOC_MMAP_THRESHOLD_" not in remote
+    assert "THP_MEM_ALLOC_ENABLE" not in remote
     mine = build_command(parse_run_args(["-np", "2", "python", "t.py"], arity), {"HOROVOD_CYCLE_TIME": "1"},
                          cpu_count=2)[1]
     assert "HOROVOD_CYCLE_TIME" not in mine
