@@ -40,7 +40,7 @@ from pathlib import Path
 
 from hvdp.bench.breakdown import parse_sizes as parse_breakdown_sizes
 from hvdp.bench.plan import (
-    MALLOC_SETTINGS,
+    ALLOCATOR_SETTINGS,
     SECTIONS,
     SWEEP_BYTES,
     Contender,
@@ -57,7 +57,7 @@ from hvdp.bench.stats import algbw, busbw, efficiency, median, ratio
 from hvdp.errors import BenchError
 
 __all__ = [
-    "DESCRIPTION", "EPILOG", "JOB_TIMEOUT_S", "MALLOC_SETTINGS", "SECTIONS", "SMOKE_JOBS_AT_ONCE", "SWEEP_BYTES",
+    "DESCRIPTION", "EPILOG", "JOB_TIMEOUT_S", "ALLOCATOR_SETTINGS", "SECTIONS", "SMOKE_JOBS_AT_ONCE", "SWEEP_BYTES",
     "THREAD_VARS",
     "BenchError", "Contender",
     "Group", "Settings", "Target", "add_arguments", "algbw", "busbw", "check_writable", "efficiency", "format_table",

@@ -14,7 +14,7 @@ from hvdp.launch import defaults
 SECTIONS = ("overhead", "native", "allreduce", "scaling", "breakdown", "sharded")
 #: The allocator settings hvdp run gives local jobs (:mod:`hvdp.launch.defaults`: glibc's and torch's),
 #: given to DDP/MWMS too in the full run.
-MALLOC_SETTINGS = (("MALLOC_MMAP_THRESHOLD_", defaults.MALLOC_MMAP_THRESHOLD),
+ALLOCATOR_SETTINGS = (("MALLOC_MMAP_THRESHOLD_", defaults.MALLOC_MMAP_THRESHOLD),
                    ("MALLOC_TRIM_THRESHOLD_", defaults.MALLOC_TRIM_THRESHOLD),
                    ("THP_MEM_ALLOC_ENABLE", defaults.TORCH_THP))
 
@@ -165,7 +165,7 @@ def plan(settings: Settings) -> List[Group]:
             people.append(Contender(f"{native} {tag}", native, framework, np_, controller, "threads", model))
             if not quick:  # the native contender given hvdp's allocator settings too: the like-for-like ratio
                 people.append(Contender(f"{native} with hvdp's allocator settings {tag}", native, framework, np_,
-                                        controller, "threads", model, env=dict(MALLOC_SETTINGS)))
+                                        controller, "threads", model, env=dict(ALLOCATOR_SETTINGS)))
         return people
 
     frameworks = tuple(SPECS)

@@ -91,7 +91,7 @@ def test_quick_plan_touches_every_section_and_alternates():
     full = bench.plan(bench.make_settings(False, None, None, None, None))
     names = {g.name for g in full}
     full_cnn = next(g for g in full if g.name == "torch/cnn np=2 gloo")
-    assert [c.env for c in full_cnn.contenders if c.impl == "ddp"] == [{}, dict(bench.MALLOC_SETTINGS)]
+    assert [c.env for c in full_cnn.contenders if c.impl == "ddp"] == [{}, dict(bench.ALLOCATOR_SETTINGS)]
     assert {"torch/cnn np=1 mpi", "tensorflow/resnet18 np=2 gloo", "scaling torch/resnet18"} <= names
 
     order = []
@@ -218,7 +218,7 @@ def _fake_results():
                                       Contender("plain", "horovod", knobs="threads"), Contender("ddp", "ddp",
                                                                                                  knobs="threads"),
                                       Contender("nowake", "hvdp", env={"HVDP_EARLY_WAKE": "0"}),
-                                      Contender("ddpm", "ddp", knobs="threads", env=dict(bench.MALLOC_SETTINGS))]),
+                                      Contender("ddpm", "ddp", knobs="threads", env=dict(bench.ALLOCATOR_SETTINGS))]),
         Group("scaling torch/resnet18", [Contender("n1", "hvdp", np=1, knobs="one-thread", model="resnet18"),
                                          Contender("n2", "hvdp", np=2, knobs="one-thread", model="resnet18"),
                                          Contender("d1", "ddp", np=1, knobs="one-thread", model="resnet18"),
