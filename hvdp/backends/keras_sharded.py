@@ -111,10 +111,11 @@ class ShardedKeras:
                 raise ValueError("A sharded optimizer's first apply needs the trainable variables: "
                                  "optimizer.apply(grads, model.trainable_variables).")
             self.build(list(trainable_variables))
-        if own.wire.live() != (own.wire.members, own.wire.index):
+        members, index = own.wire.live()
+        if (members, index) != (own.wire.members, own.wire.index):
             raise ValueError(
                 f"hvdp.DistributedOptimizer(shard_optimizer_state=True) laid out its state over "
-                f"{own.wire.members} workers, and the job has {own.wire.live()[0]} now. Fix: hold the model and "
+                f"{own.wire.members} workers, and the job has {members} now. Fix: hold the model and "
                 f"optimizer in an hvdp.elastic.State and train in a function decorated with hvdp.elastic.run, "
                 f"which lays the state out again over the new workers.")
         check = _still_current(own)
