@@ -22,7 +22,7 @@ from hvdp.horovod_build.tensorflow_patches import KERAS3_PATCHES
 #: Each framework's changes, by hvdp's name for it: a module with CMAKE_PATCHES, PYTHON_PATCHES, GPU_PATCHES.
 FRAMEWORK_PATCHES: Dict[str, Any] = {"torch": torch_patches, "tensorflow": tensorflow_patches}
 
-__all__ = ["EARLY_WAKE", "GPU_PATCHES", "KERAS3_PATCHES", "PATCHES", "PATCH_LEVEL", "Patch"]
+__all__ = ["EARLY_WAKE", "GLOO_REDUCESCATTER", "GPU_PATCHES", "KERAS3_PATCHES", "PATCHES", "PATCH_LEVEL", "Patch"]
 
 #: Bump whenever the patches change in a way their text does not show, so cached wheels are rebuilt.
 PATCH_LEVEL = 5
@@ -199,6 +199,129 @@ _GLOO_IN_PLACE = Patch(
 )
 
 
+_GLOO_OPS = "horovod/common/ops/gloo_operations.cc"
+
+#: Gloo's reduce-scatter (a sharded optimizer's gradients, ``hvdp.reducescatter``). Horovod built
+#: Gloo's halving-doubling algorithm anew for each call, which allocates and registers its buffers
+#: each time, and copied a lone tensor into a buffer it allocated each call (every page faulted in
+#: again). With this change the ranks exchange their blocks in one Gloo alltoallv, straight from the
+#: tensor (or the fusion buffer), into a buffer the background thread keeps from call to call, and
+#: each rank sums the blocks it received, in rank order, into its output. Measured on a 45 MB float32
+#: tensor at np=2 (Horovod's timeline): 77 ms per call before (18.7 ms copying in, 49.2 ms in Gloo, 3.7
+#: ms copying out), against 41-50 ms for Horovod's fused allreduce of the same bytes.
+GLOO_REDUCESCATTER: Tuple[Patch, ...] = (
+    Patch("horovod/common/ops/gloo_operations.h",
+          "  virtual void Reducescatter(void* buffer_data,\n"
+          "                             std::vector<int>& recvcounts) = 0;\n",
+          "  virtual void Reducescatter(void* buffer_data,\n"
+          "                             std::vector<int>& recvcounts) = 0;\n"
+          "\n"
+          "  // hvdp: this rank's block of the sum of the ranks' inputs into output (input may be output).\n"
+          "  virtual void HvdpReducescatter(const void* input, void* output,\n"
+          "                                 std::vector<int>& recvcounts) = 0;\n",
+          "the reduce-scatter that reads its input where it is (declaration)"),
+    Patch("horovod/common/ops/gloo_operations.h",
+          "  void Reducescatter(void* buffer_data, std::vector<int>& recvcounts) override;\n",
+          "  void Reducescatter(void* buffer_data, std::vector<int>& recvcounts) override;\n"
+          "\n"
+          "  void HvdpReducescatter(const void* input, void* output,\n"
+          "                         std::vector<int>& recvcounts) override;\n",
+          "the reduce-scatter that reads its input where it is (each type's)"),
+    Patch(_GLOO_OPS,
+          "template <typename T>\n"
+          "void GlooAlgorithms<T>::Reducescatter(void* buffer_data,\n"
+          "                                      std::vector<int>& recvcounts) {\n"
+          "  std::vector<T*> ptrs{reinterpret_cast<T*>(buffer_data)};\n"
+          "  int num_elements = std::accumulate(recvcounts.begin(), recvcounts.end(), 0);\n"
+          "  gloo::ReduceScatterHalvingDoubling<T> rs_hd(gloo_context_->ctx, ptrs,\n"
+          "                                              num_elements, recvcounts);\n"
+          "  rs_hd.run();\n"
+          "}\n",
+          "// hvdp: bytes the background thread keeps from call to call (which: 0 the blocks received,\n"
+          "// 1 a scaled copy of the input).\n"
+          "uint8_t* HvdpScratch(int which, size_t bytes) {\n"
+          "  static thread_local std::vector<uint8_t> kept[2];\n"
+          "  auto& buffer = kept[which];\n"
+          "  if (buffer.size() < bytes || buffer.empty()) {\n"
+          "    buffer.resize(std::max<size_t>(bytes, 1));\n"
+          "  }\n"
+          "  return buffer.data();\n"
+          "}\n"
+          "\n"
+          "template <>\n"
+          "void GlooAlgorithms<bool>::HvdpReducescatter(const void* input, void* output,\n"
+          "                                             std::vector<int>& recvcounts) {\n"
+          "  throw std::logic_error(\"GlooReducescatter does not support bool data.\");\n"
+          "}\n"
+          "\n"
+          "template <typename T>\n"
+          "void GlooAlgorithms<T>::HvdpReducescatter(const void* input, void* output,\n"
+          "                                          std::vector<int>& recvcounts) {\n"
+          "  // hvdp: block r of the input goes to rank r in one exchange (Gloo's alltoallv), then this\n"
+          "  // rank sums the blocks it received, in rank order, into output.\n"
+          "  const auto& ctx = gloo_context_->ctx;\n"
+          "  const int size = ctx->size;\n"
+          "  const size_t mine = (size_t)recvcounts[ctx->rank];\n"
+          "  std::vector<int64_t> sent(recvcounts.begin(), recvcounts.end());\n"
+          "  std::vector<int64_t> received((size_t)size, (int64_t)mine);\n"
+          "  T* blocks = reinterpret_cast<T*>(HvdpScratch(0, (size_t)size * mine * sizeof(T)));\n"
+          "  gloo::AlltoallvOptions opts(ctx);\n"
+          "  opts.setInput<T>(static_cast<T*>(const_cast<void*>(input)), sent);\n"
+          "  opts.setOutput<T>(blocks, received);\n"
+          "  gloo::alltoallv(opts);\n"
+          "  T* out = static_cast<T*>(output);\n"
+          "  if (size == 1) {\n"
+          "    std::memcpy(out, blocks, mine * sizeof(T));\n"
+          "    return;\n"
+          "  }\n"
+          "  ::gloo::sum<T>(out, blocks, blocks + mine, mine);\n"
+          "  for (int r = 2; r < size; ++r) {\n"
+          "    ::gloo::sum<T>(out, out, blocks + (size_t)r * mine, mine);\n"
+          "  }\n"
+          "}\n"
+          "\n"
+          "template <typename T>\n"
+          "void GlooAlgorithms<T>::Reducescatter(void* buffer_data,\n"
+          "                                      std::vector<int>& recvcounts) {\n"
+          "  HvdpReducescatter(buffer_data, buffer_data, recvcounts);  // hvdp\n"
+          "}\n",
+          "Gloo's reduce-scatter: one alltoallv and a local sum, in buffers kept from call to call, "
+          "instead of a halving-doubling algorithm built anew each call"),
+    Patch(_GLOO_OPS,
+          "  } else {\n"
+          "    // Allocating a temp buffer because the Reducescatter will be performed\n"
+          "    // in place and the output tensor will be smaller than the input.\n"
+          "    buffer_data = new uint8_t[first_entry.tensor->size()];\n"
+          "    std::memcpy(buffer_data, first_entry.tensor->data(),\n"
+          "                first_entry.tensor->size());\n"
+          "  }\n",
+          "  } else if (prescale_factor != 1.0) {\n"
+          "    // hvdp: the copy to scale goes to a buffer kept from call to call\n"
+          "    buffer_data = HvdpScratch(1, first_entry.tensor->size());\n"
+          "    std::memcpy(buffer_data, first_entry.tensor->data(),\n"
+          "                first_entry.tensor->size());\n"
+          "  } else {\n"
+          "    buffer_data = const_cast<void*>(first_entry.tensor->data());  // hvdp: sent from where it is\n"
+          "  }\n",
+          "a lone tensor's reduce-scatter copied it into a buffer allocated each call"),
+    Patch(_GLOO_OPS,
+          "  gloo_algos->Reducescatter(buffer_data, recvcounts);\n",
+          "  if (entries.size() > 1) {\n"
+          "    gloo_algos->Reducescatter(buffer_data, recvcounts);\n"
+          "  } else {  // hvdp: a lone tensor's block is summed straight into its output\n"
+          "    gloo_algos->HvdpReducescatter(buffer_data, const_cast<void*>(first_entry.output->data()),\n"
+          "                                  recvcounts);\n"
+          "  }\n",
+          "a lone tensor's reduce-scatter writes its output directly"),
+    Patch(_GLOO_OPS,
+          "    void* output_pointer = const_cast<void*>(first_entry.output->data());\n"
+          "    std::memcpy(output_pointer, buffer_data, first_entry.output->size());\n"
+          "    delete[] reinterpret_cast<uint8_t*>(buffer_data);\n",
+          "    // hvdp: already in the output\n",
+          "a lone tensor's reduce-scatter copied its output out of the temporary buffer"),
+)
+
+
 #: Every build's patches: the CMake files (top level, then each framework's extension), the
 #: common C++ sources, then each framework's Python layer.
 PATCHES: Tuple[Patch, ...] = (
@@ -206,6 +329,7 @@ PATCHES: Tuple[Patch, ...] = (
     *(patch for name in SPECS for patch in FRAMEWORK_PATCHES[name].CMAKE_PATCHES),
     *_GLOO,
     _GLOO_IN_PLACE,
+    *GLOO_REDUCESCATTER,
     *EARLY_WAKE,
     *(patch for name in SPECS for patch in FRAMEWORK_PATCHES[name].PYTHON_PATCHES),
 )

@@ -1,0 +1,35 @@
+"""Horovod's Gloo reducescatter as hvdp's build makes it (one alltoallv and a local sum, buffers kept from call to
+call: :data:`hvdp.horovod_build.patches.GLOO_REDUCESCATTER`), at np=3, where a rank sums more than two blocks
+and some ranks receive no rows. One torch job checks every case; what every rank reports is asserted."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_worker
+
+#: Largest error, relative to the largest expected value, per dtype (float16 rounds each partial sum).
+TOLERANCE = {"float64": 1e-12, "float32": 1e-6, "float16": 2e-3, "int32": 0.0, "int64": 0.0}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return run_worker("reducescatter_cases.py", "gloo", "torch", tmp_path_factory.mktemp("rs"), np_=3)
+
+
+def test_every_case_matches_numpy_on_every_rank(job):
+    for r in job.ranks:
+        assert r["size"] == 3
+        cases = r["cases"]
+        assert len(cases) == 5 * 5 + 4 + 5, sorted(cases)
+        for name, got in cases.items():
+            dtype = name.split()[1]
+            assert got["shape"][0] == got["want_rows"], (r["rank"], name, got)
+            assert got["error"] <= TOLERANCE[dtype], (r["rank"], name, got)
+            assert got["input_kept"], (r["rank"], name, "the input tensor was changed")
+
+
+def test_ranks_with_no_rows_take_part(job):
+    """1 row over 3 ranks: rank 0 gets it, ranks 1 and 2 get none, and the job went on to the next case."""
+    rows = [r["cases"]["lone float32 1 rows"]["shape"][0] for r in job.ranks]
+    assert rows == [1, 0, 0]
+    assert [r["cases"]["group float32 0 rows"]["shape"][0] for r in job.ranks] == [0, 0, 0]
