@@ -2,7 +2,8 @@
 
 Common to every build: C++17 instead of C++14 (torch >= 2.1 and TensorFlow's absl
 headers need it), two fixes to Horovod's Gloo controller (process sets' Gloo
-contexts use ``HOROVOD_GLOO_IFACE``; the stall inspector sees every rank), and the
+contexts use ``HOROVOD_GLOO_IFACE``; the stall inspector sees every rank), Gloo's
+reduce-scatter as one exchange and a local sum (:data:`GLOO_REDUCESCATTER`), and the
 early wake of Horovod's background loop (:data:`EARLY_WAKE`). Each framework's own
 changes are in its module (:data:`FRAMEWORK_PATCHES`), taken in the registry's order.
 
