@@ -47,6 +47,7 @@ _GLOO = (
 )
 
 _OPS = "horovod/common/operations.cc"
+_GLOO_OPS = "horovod/common/ops/gloo_operations.cc"
 
 #: The early wake. Horovod's background loop sleeps out HOROVOD_CYCLE_TIME between two rounds,
 #: so the last tensors a caller waits for (a step's last gradients, a blocking collective) wait
@@ -187,7 +188,7 @@ EARLY_WAKE: Tuple[Patch, ...] = (
 #: are the same (64 MB: 0.00 ms; the breakdown's in-place "untimed copy" was 4-5 us), so on this
 #: machine it changes nothing; it spares C libraries whose memcpy copies anyway.
 _GLOO_IN_PLACE = Patch(
-    "horovod/common/ops/gloo_operations.cc",
+    _GLOO_OPS,
     "    buffer_data = (void*)first_entry.output->data();\n"
     "    std::memcpy(buffer_data, first_entry.tensor->data(),\n"
     "                (size_t)first_entry.tensor->size());\n",
@@ -199,8 +200,6 @@ _GLOO_IN_PLACE = Patch(
     "Gloo's in-place allreduce of one tensor copied the tensor onto itself",
 )
 
-
-_GLOO_OPS = "horovod/common/ops/gloo_operations.cc"
 
 #: Gloo's reduce-scatter (a sharded optimizer's gradients, ``hvdp.reducescatter``). Horovod built
 #: Gloo's halving-doubling algorithm anew for each call, which allocates and registers its buffers
@@ -307,12 +306,10 @@ GLOO_REDUCESCATTER: Tuple[Patch, ...] = (
           "a lone tensor's reduce-scatter copied it into a buffer allocated each call"),
     Patch(_GLOO_OPS,
           "  gloo_algos->Reducescatter(buffer_data, recvcounts);\n",
-          "  if (entries.size() > 1) {\n"
-          "    gloo_algos->Reducescatter(buffer_data, recvcounts);\n"
-          "  } else {  // hvdp: a lone tensor's block is summed straight into its output\n"
-          "    gloo_algos->HvdpReducescatter(buffer_data, const_cast<void*>(first_entry.output->data()),\n"
-          "                                  recvcounts);\n"
-          "  }\n",
+          "  // hvdp: a lone tensor's block is summed straight into its output (fused ones into the buffer's start)\n"
+          "  gloo_algos->HvdpReducescatter(\n"
+          "      buffer_data, entries.size() > 1 ? buffer_data : const_cast<void*>(first_entry.output->data()),\n"
+          "      recvcounts);\n",
           "a lone tensor's reduce-scatter writes its output directly"),
     Patch(_GLOO_OPS,
           "    void* output_pointer = const_cast<void*>(first_entry.output->data());\n"
