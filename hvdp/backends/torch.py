@@ -19,6 +19,7 @@ import torch
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
+from hvdp.backends.torch_direct import direct_gradients
 from hvdp.backends.torch_gradients import (
     broadcast_buffers_before_forward,
     complete,
@@ -179,11 +180,18 @@ class Backend(HorovodJob):
                 groups=groups,
             )
             _share_state(wrapped, optimizer)
-            # The wait for the gradient allreduces in synchronize() is phase "sync".
-            wrapped.synchronize = profiler.timed(sleeping_synchronize(wrapped))
             if op == "adasum":  # Adasum reduces the update inside step(), not the gradients
+                wrapped.synchronize = profiler.timed(sleeping_synchronize(wrapped))
                 return wrapped
-            return reduce_at_backward_end(wrapped)
+            size = self.size() if process_set is None else int(process_set.size())
+            sparse = model is not None and any(getattr(m, "sparse", False) for m in model.modules())
+            direct = direct_gradients(wrapped, named, reduction_plan(op, gradient_predivide_factor, size),
+                                      compression, groups, horovod_set, sparse, lambda: self.joining)
+            synchronize = sleeping_synchronize(wrapped)
+            # The wait for the gradient allreduces in synchronize() is phase "sync", on either path.
+            wrapped.synchronize = profiler.timed(synchronize if direct is None else direct.synchronize(synchronize))
+            wrapped.gradient_path = direct
+            return reduce_at_backward_end(wrapped, direct)
         if keras_adapter.is_keras_optimizer(optimizer):
             size = self.size() if process_set is None else int(process_set.size())
             name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)

@@ -99,7 +99,7 @@ class _Passes:
         self.local = False  # inside no_sync()
 
 
-def reduce_at_backward_end(optimizer: Any) -> Any:
+def reduce_at_backward_end(optimizer: Any, direct: Any = None) -> Any:
     """Give Horovod's torch ``optimizer`` DDP's gradient semantics; returns it.
 
     - At the end of each backward pass that completes ``backward_passes_per_step``
@@ -111,7 +111,8 @@ def reduce_at_backward_end(optimizer: Any) -> Any:
       pass after it reduces the sum (DDP's ``no_sync``).
 
     A one-process job (Horovod registers no hooks) is left as it is, with a ``no_sync``
-    that does nothing.
+    that does nothing. ``direct`` (a :class:`hvdp.backends.torch_direct.DirectGradients`)
+    gets its gradient hooks here, told which passes reduce.
     """
     state = _Passes()
     synchronize, step, load_state_dict = optimizer.synchronize, optimizer.step, optimizer.load_state_dict
@@ -183,6 +184,9 @@ def reduce_at_backward_end(optimizer: Any) -> Any:
     optimizer.load_state_dict = load_state_dict_resetting
     for accumulator in optimizer._grad_accs:
         accumulator.register_hook(pass_started)
+    if direct is not None:
+        direct.watch(lambda: not state.local and state.passes + 1 >= optimizer.backward_passes_per_step,
+                     pass_started)
     return optimizer
 
 

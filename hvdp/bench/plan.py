@@ -160,12 +160,16 @@ def plan(settings: Settings) -> List[Group]:
         if "overhead" in sections and np_ == 2 and controller == "gloo" and model in ("cnn", "mlp"):
             people.append(Contender(f"hvdp without early wake {tag}", "hvdp", framework, np_, controller, "hvdp",
                                     model, env={"HVDP_EARLY_WAKE": "0"}))
+        # torch's gradient path before the direct one (hvdp.backends.torch_direct): Horovod's negotiated rounds.
+        if ("overhead" in sections or want_native) and framework == "torch" and np_ == 2 and controller == "gloo":
+            people.append(Contender(f"hvdp on Horovod's gradient path {tag}", "hvdp", framework, np_, controller,
+                                    "hvdp", model, env={"HVDP_GRADIENT_PATH": "horovod"}))
         if want_native:
             native = SPECS[framework].bench_native
             people.append(Contender(f"{native} {tag}", native, framework, np_, controller, "threads", model))
-            if not quick:  # the native contender given hvdp's allocator settings too: the like-for-like ratio
-                people.append(Contender(f"{native} with hvdp's allocator settings {tag}", native, framework, np_,
-                                        controller, "threads", model, env=dict(ALLOCATOR_SETTINGS)))
+            # The native contender given hvdp's allocator settings too: the like-for-like ratio (in every mode).
+            people.append(Contender(f"{native} with hvdp's allocator settings {tag}", native, framework, np_,
+                                    controller, "threads", model, env=dict(ALLOCATOR_SETTINGS)))
         return people
 
     frameworks = tuple(SPECS)

@@ -184,20 +184,24 @@ def targets(results: dict, settings: Settings) -> List[Target]:
                             worst("hvdp/horovod same knobs", framework), "<=", 1.02))
         found.append(Target(f"hvdp/horovod step time, hvdp defaults, {framework} (worst group)",
                             worst("hvdp/horovod defaults", framework), "<", 1.0))
-    found.append(Target("hvdp/DDP step time, torch/cnn np=2", at("torch/cnn np=2 gloo", "hvdp/ddp"), "<=", 1.0))
-    found.append(Target("hvdp/MultiWorkerMirrored step time, tensorflow/cnn np=2",
-                        at("tensorflow/cnn np=2 gloo", "hvdp/mwms"), "<=", 1.0))
+    # Like for like: the native peer given hvdp's allocator settings in the same run.
+    found.append(Target("hvdp/DDP step time, same allocator settings, torch (worst model)",
+                        worst("hvdp/ddp same malloc", "torch"), "<=", 1.0))
+    found.append(Target("hvdp/MultiWorkerMirrored step time, same allocator settings, tensorflow (worst model)",
+                        worst("hvdp/mwms same malloc", "tensorflow"), "<=", 1.0))
     sweep = results.get("allreduce") or {}
-    # At 64 MB every contender reduces in place (mpi4py into its receive buffer): hvdp's out= form.
-    found.append(Target("hvdp.allreduce out= algbw at 64 MB / mpi4py, under MPI",
-                        allreduce_ratio(sweep, "hvdp.allreduce out= (mpi)", "mpi4py Allreduce", 64 << 20), ">=",
-                        0.9))
-    found.append(Target("hvdp.allreduce out= algbw at 64 MB / torch.distributed, under Gloo",
-                        allreduce_ratio(sweep, "hvdp.allreduce out= (gloo)", "torch.distributed all_reduce (gloo)",
-                                        64 << 20), ">=", 0.9))
+    # At 64 MB the peers reduce in place (mpi4py into its receive buffer); hvdp's usual call returns a new tensor.
+    for form, label, floor in (("usual call", "", 0.85), ("out=", " out=", 0.95)):
+        for controller, under, peer, peer_label in (
+                ("mpi", "MPI", "mpi4py", "mpi4py Allreduce"),
+                ("gloo", "Gloo", "torch.distributed", "torch.distributed all_reduce (gloo)")):
+            found.append(Target(f"hvdp.allreduce {form} algbw at 64 MB / {peer}, under {under}",
+                                allreduce_ratio(sweep, f"hvdp.allreduce{label} ({controller})", peer_label, 64 << 20),
+                                ">=", floor))
     found.append(Target("hvdp.allreduce latency at 4 KB / torch.distributed, under Gloo",
                         allreduce_ratio(sweep, "hvdp.allreduce (gloo)", "torch.distributed all_reduce (gloo)",
-                                        4096, of="seconds"), "<=", 2.0))
+                                        4096, of="seconds"), "<=", 1.5))
+
     def sharded(key: str) -> Optional[float]:
         values = [g["ratios"][key] for g in results["groups"] if g["name"].startswith("sharded")
                   and key in g["ratios"]]

@@ -23,7 +23,7 @@ from hvdp.horovod_build.tensorflow_patches import KERAS3_PATCHES
 #: Each framework's changes, by hvdp's name for it: a module with CMAKE_PATCHES, PYTHON_PATCHES, GPU_PATCHES.
 FRAMEWORK_PATCHES: Dict[str, Any] = {"torch": torch_patches, "tensorflow": tensorflow_patches}
 
-__all__ = ["EARLY_WAKE", "GLOO_REDUCESCATTER", "GPU_PATCHES", "KERAS3_PATCHES", "PATCHES", "PATCH_LEVEL", "Patch"]
+__all__ = ["DIRECT_ALLREDUCE", "EARLY_WAKE", "GLOO_REDUCESCATTER", "GPU_PATCHES", "KERAS3_PATCHES", "PATCHES", "PATCH_LEVEL", "Patch"]
 
 #: Bump whenever the patches change in a way their text does not show, so cached wheels are rebuilt.
 PATCH_LEVEL = 5
@@ -320,6 +320,84 @@ GLOO_REDUCESCATTER: Tuple[Patch, ...] = (
 )
 
 
+#: hvdp's direct allreduce (:mod:`hvdp.backends.torch_direct`): a sum-allreduce that the calling thread
+#: runs itself on the whole job's Gloo context, outside the background loop and its rounds. Each
+#: caller names a channel; a channel is a Gloo tag of its own (Horovod's collectives use tag 0), so
+#: calls on different channels, and Horovod's own collectives, may run at the same time, while calls
+#: on one channel must come in the same order on every rank, as torch.distributed's do. A rank that
+#: never makes its call ends the others' with Gloo's timeout (HOROVOD_GLOO_TIMEOUT_SECONDS), and one
+#: whose size differs ends them with Gloo's size error: the message comes back in ``error``, the
+#: return value is 1. Not built into a job on MPI: it then returns 2.
+DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
+    Patch(_OPS, "bool horovod_gloo_built() {\n",
+          "int horovod_hvdp_direct_allreduce(void* data, long long count, int dtype, int channel,\n"
+          "                                  char* error, int error_size) {\n"
+          "  // hvdp: dtype 0 float32, 1 float64, 2 int32, 3 int64; channel 0..65535.\n"
+          "#if HAVE_GLOO\n"
+          "  try {\n"
+          "    if (!horovod_global.initialization_done || horovod_global.shut_down) {\n"
+          "      throw std::logic_error(\"Horovod is not running (call hvdp.init() first)\");\n"
+          "    }\n"
+          "    if (horovod_global.control_operation != LibType::GLOO) {\n"
+          "      return 2;\n"
+          "    }\n"
+          "    std::shared_ptr<gloo::Context> ctx =\n"
+          "        horovod_global.process_set_table.Get(0).gloo_context.ctx;\n"
+          "    if (!ctx) {\n"
+          "      throw std::logic_error(\"the job's Gloo context is gone (Horovod shut down)\");\n"
+          "    }\n"
+          "    gloo::AllreduceOptions opts(ctx);\n"
+          "    opts.setTag(0x68760000u + (uint32_t)(channel & 0xffff));\n"
+          "    switch (dtype) {\n"
+          "    case 0:\n"
+          "      opts.setOutput<float>(static_cast<float*>(data), (size_t)count);\n"
+          "      opts.setReduceFunction(gloo::AllreduceOptions::Func(\n"
+          "          (void (*)(void*, const void*, const void*, size_t)) & ::gloo::sum<float>));\n"
+          "      break;\n"
+          "    case 1:\n"
+          "      opts.setOutput<double>(static_cast<double*>(data), (size_t)count);\n"
+          "      opts.setReduceFunction(gloo::AllreduceOptions::Func(\n"
+          "          (void (*)(void*, const void*, const void*, size_t)) & ::gloo::sum<double>));\n"
+          "      break;\n"
+          "    case 2:\n"
+          "      opts.setOutput<int32_t>(static_cast<int32_t*>(data), (size_t)count);\n"
+          "      opts.setReduceFunction(gloo::AllreduceOptions::Func(\n"
+          "          (void (*)(void*, const void*, const void*, size_t)) & ::gloo::sum<int32_t>));\n"
+          "      break;\n"
+          "    case 3:\n"
+          "      opts.setOutput<int64_t>(static_cast<int64_t*>(data), (size_t)count);\n"
+          "      opts.setReduceFunction(gloo::AllreduceOptions::Func(\n"
+          "          (void (*)(void*, const void*, const void*, size_t)) & ::gloo::sum<int64_t>));\n"
+          "      break;\n"
+          "    default:\n"
+          "      throw std::logic_error(\"dtype \" + std::to_string(dtype) + \" is not one of 0-3\");\n"
+          "    }\n"
+          "    gloo::allreduce(opts);\n"
+          "    return 0;\n"
+          "  } catch (const std::exception& e) {\n"
+          "    std::snprintf(error, (size_t)error_size, \"%s\", e.what());\n"
+          "    return 1;\n"
+          "  }\n"
+          "#else\n"
+          "  return 2;\n"
+          "#endif\n"
+          "}\n"
+          "\n"
+          "bool horovod_gloo_built() {\n",
+          "the direct allreduce, run by its caller on the job's Gloo context"),
+    Patch(_OPS, '#include "gloo/gloo_controller.h"\n',
+          '#include "gloo/gloo_controller.h"\n#include "gloo/allreduce.h"\n#include "gloo/math.h"\n',
+          "Gloo's allreduce for the direct allreduce"),
+    Patch("horovod/common/operations.h", "bool horovod_gloo_built();\n",
+          "bool horovod_gloo_built();\n\n"
+          "// hvdp: sum-allreduce of data in place by the calling thread on the job's Gloo context (0 done,\n"
+          "// 1 failed with the reason in error, 2 not a Gloo job).\n"
+          "int horovod_hvdp_direct_allreduce(void* data, long long count, int dtype, int channel,\n"
+          "                                  char* error, int error_size);\n",
+          "the direct allreduce's declaration, exported like Horovod's own C interface"),
+)
+
+
 #: Every build's patches: the CMake files (top level, then each framework's extension), the
 #: common C++ sources, then each framework's Python layer.
 PATCHES: Tuple[Patch, ...] = (
@@ -329,6 +407,7 @@ PATCHES: Tuple[Patch, ...] = (
     _GLOO_IN_PLACE,
     *GLOO_REDUCESCATTER,
     *EARLY_WAKE,
+    *DIRECT_ALLREDUCE,
     *(patch for name in SPECS for patch in FRAMEWORK_PATCHES[name].PYTHON_PATCHES),
 )
 

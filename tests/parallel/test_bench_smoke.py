@@ -19,9 +19,10 @@ from harness import REPO
 
 #: The quick plan's comparisons and what each must yield (its ratios' names).
 GROUPS = {
-    "torch/cnn np=2 gloo": {"hvdp/ddp", "hvdp/horovod same knobs", "hvdp/horovod defaults",
-                            "hvdp/hvdp HVDP_EARLY_WAKE=0"},
-    "tensorflow/cnn np=2 gloo": {"hvdp/mwms", "hvdp/horovod defaults", "hvdp/hvdp HVDP_EARLY_WAKE=0"},
+    "torch/cnn np=2 gloo": {"hvdp/ddp", "hvdp/ddp same malloc", "hvdp/horovod same knobs", "hvdp/horovod defaults",
+                            "hvdp/hvdp HVDP_EARLY_WAKE=0", "hvdp/hvdp HVDP_GRADIENT_PATH=horovod"},
+    "tensorflow/cnn np=2 gloo": {"hvdp/mwms", "hvdp/mwms same malloc", "hvdp/horovod defaults",
+                                 "hvdp/hvdp HVDP_EARLY_WAKE=0"},
     "scaling torch/cnn": set(),
     "sharded torch/cnn": {f"{name} np={n}" for n in (1, 2) for name in (
         "sharded/unsharded step", "sharded/ZeroRedundancyOptimizer step", "state per rank sharded/unsharded",
@@ -35,8 +36,10 @@ SWEEP = ["hvdp.allreduce (gloo)", "hvdp.allreduce out= (gloo)", "mpi4py Allreduc
 MEASURED = {"hvdp/horovod step time, same knobs, torch (worst group)",
             "hvdp/horovod step time, hvdp defaults, torch (worst group)",
             "hvdp/horovod step time, hvdp defaults, tensorflow (worst group)",
-            "hvdp/DDP step time, torch/cnn np=2", "hvdp/MultiWorkerMirrored step time, tensorflow/cnn np=2",
+            "hvdp/DDP step time, same allocator settings, torch (worst model)",
+            "hvdp/MultiWorkerMirrored step time, same allocator settings, tensorflow (worst model)",
             "hvdp.allreduce out= algbw at 64 MB / torch.distributed, under Gloo",
+            "hvdp.allreduce usual call algbw at 64 MB / torch.distributed, under Gloo",
             "hvdp.allreduce latency at 4 KB / torch.distributed, under Gloo",
             "sharded Adam state per rank / unsharded, np=2 (worst model)",
             "sharded/unsharded step time, Adam np=2 (worst model)",

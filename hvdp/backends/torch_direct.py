@@ -1,0 +1,326 @@
+"""torch's steady-state gradient path: fixed buckets, each allreduced by a direct Gloo call as it fills.
+
+Horovod's path runs every gradient through its background loop, whose every cycle starts
+with a coordination round (which tensors are ready on every rank?) before the allreduce
+itself. Once every rank has seen the same gradients in the same order, that round only
+says what is known already. This path skips it:
+
+1. **Learning.** The first step runs on Horovod's path while each rank records the order
+   in which its gradients became ready. From that order each rank cuts fixed buckets
+   (:func:`hvdp.backends.torch_buckets.plan`'s sizes: the first about 1 MiB, the others
+   about 16 MiB), and the ranks compare their plans once, through Horovod (an allgather of
+   the plan's digest). Equal plans everywhere switch every rank to the direct path at the
+   same step; unequal ones keep Horovod's path (retried at most :data:`TRIES` times).
+2. **Direct steps.** A gradient's hook copies it into its bucket; a full bucket, once all
+   the buckets before it have gone, is handed to a sender thread, which allreduces it with
+   ``horovod_hvdp_direct_allreduce`` (:data:`hvdp.horovod_build.patches.DIRECT_ALLREDUCE`) on
+   Horovod's own Gloo context, while backward goes on. At the end of the backward pass the
+   buckets not sent yet are sent, with zeros where a parameter got no gradient this pass
+   (what Horovod's ``synchronize`` gives such a parameter), and the averages go into ``.grad``.
+   Every rank sends every bucket, in the same order, with the same sizes, whatever its graph did.
+3. **A changed graph.** The last bucket carries one more element: the number of parameters
+   this rank missed this pass. Its sum is the same on every rank, so every rank sees a change
+   on any rank at the same step; the step's result is still right (zeros for the missing
+   gradients, as on Horovod's path), and the next step learns again on Horovod's path.
+
+A rank that stops sending (it crashed, or ran fewer backward passes) ends the others' wait
+with Gloo's timeout (``HOROVOD_GLOO_TIMEOUT_SECONDS``) as a ``HorovodInternalError`` naming
+the bucket, never a silent hang. ``HVDP_GRADIENT_PATH=horovod`` keeps Horovod's path
+throughout (to compare); the path taken is on ``optimizer.gradient_path``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+import zlib
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import horovod.torch as hvd
+import torch
+from horovod.common.exceptions import HorovodInternalError
+
+from hvdp.backends import torch_buckets
+
+#: The environment variable that picks the gradient path: ``direct`` (the default) or ``horovod``.
+PATH_ENV = "HVDP_GRADIENT_PATH"
+#: Learning steps whose plans differed between ranks before the direct path is given up.
+TRIES = 3
+#: The direct allreduce's channel for gradients (a Gloo tag of its own).
+CHANNEL = 1
+
+_DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
+_HUGE = 1 << 40  # a countdown Horovod's hooks never bring to zero
+
+
+def chosen_path() -> str:
+    """``direct`` or ``horovod``, from :data:`PATH_ENV`; anything else is refused with the choices."""
+    value = os.environ.get(PATH_ENV, "direct").strip().lower() or "direct"
+    if value not in ("direct", "horovod"):
+        raise ValueError(f"{PATH_ENV}={value!r}: use 'direct' (the default: buckets allreduced without Horovod's "
+                         f"per-cycle coordination round once the ranks agree) or 'horovod' (Horovod's path).")
+    return value
+
+
+class DirectAllreduce:
+    """The build's ``horovod_hvdp_direct_allreduce``: a sum-allreduce in place, run by the calling thread."""
+
+    def __init__(self) -> None:
+        self.entry = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_direct_allreduce", None)
+        if self.entry is not None:
+            self.entry.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_char_p, ctypes.c_int]
+            self.entry.restype = ctypes.c_int
+
+    def usable(self) -> bool:
+        """Built in, and the job runs on Gloo (MPI jobs keep Horovod's path)."""
+        return self.entry is not None and bool(hvd.gloo_enabled())
+
+    def __call__(self, tensor: torch.Tensor, channel: int) -> None:
+        error = ctypes.create_string_buffer(1024)
+        code = self.entry(tensor.data_ptr(), tensor.numel(), _DTYPES[tensor.dtype], channel, error, len(error))
+        if code == 2:
+            raise HorovodInternalError("hvdp's direct allreduce needs a Gloo job (this one runs on MPI).")
+        if code != 0:
+            raise HorovodInternalError(error.value.decode(errors="replace"))
+
+
+class _Sender(threading.Thread):
+    """One thread that allreduces the buckets handed to it, in order (the GIL is free during each call)."""
+
+    def __init__(self, allreduce: DirectAllreduce) -> None:
+        super().__init__(name="hvdp-direct-allreduce", daemon=True)
+        self.allreduce = allreduce
+        self.jobs: "queue.SimpleQueue[Optional[Tuple[torch.Tensor, threading.Event, List[str]]]]" = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            flat, done, errors = job
+            try:
+                self.allreduce(flat, CHANNEL)
+            except Exception as error:  # handed to the waiting step, which raises it
+                errors.append(str(error))
+            finally:
+                done.set()
+
+
+class _Bucket:
+    """One bucket of the plan: its parameters, their places in its buffer, the buffer."""
+
+    def __init__(self, params: List[torch.nn.Parameter], extra: int) -> None:
+        self.params = params
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.flat = torch.zeros(self.offsets[-1] + extra, dtype=params[0].dtype)
+        self.filled = [False] * len(params)
+        self.count = 0
+        self.done = threading.Event()
+        self.errors: List[str] = []
+
+    def view(self, i: int) -> torch.Tensor:
+        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+
+class DirectGradients:
+    """The direct path of one Horovod torch optimizer (module docstring).
+
+    ``mode`` is ``learn`` (the next final pass runs on Horovod's path and records its order),
+    ``direct`` or ``horovod`` (Horovod's path for good: the switch, or plans that never agreed).
+    """
+
+    def __init__(self, optimizer: Any, names: Dict[torch.nn.Parameter, str], scale: Callable[[], float],
+                 joining: Callable[[], bool]) -> None:
+        self.optimizer, self.names, self.scale, self.joining = optimizer, names, scale, joining
+        self.allreduce = DirectAllreduce()
+        self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self.index = {p: i for i, p in enumerate(self.params)}
+        self.mode = "learn"
+        self.tries = 0
+        self.order: List[torch.nn.Parameter] = []  # the learning pass's gradients, in the order they came
+        self.recorded: Set[torch.nn.Parameter] = set()
+        self.buckets: List[_Bucket] = []
+        self.where: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
+        self.issued = 0  # buckets handed to the sender this pass
+        self.active = False  # the pass now running fills the buckets
+        self.late: Optional[torch.nn.Parameter] = None
+        self.world = hvd.size()
+        self.sender: Optional[_Sender] = None
+        #: Steps on each path, and the graph changes seen (the optimizer's ``gradient_path_counts``).
+        self.counts = {"direct": 0, "horovod": 0, "changes": 0}
+        self.final_pass: Callable[[], bool] = lambda: True
+        self.pass_started: Callable[[], None] = lambda: None
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def watch(self, final_pass: Callable[[], bool], pass_started: Callable[[], None]) -> None:
+        """Register the gradient hooks; ``final_pass()`` says whether the pass now running reduces."""
+        self.final_pass, self.pass_started = final_pass, pass_started
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.hook)
+
+    def on_direct_path(self) -> bool:
+        if self.mode == "direct" and hvd.size() != self.world:  # an elastic job's new world: learn it
+            self.relearn()
+        return self.mode == "direct" and not self.joining()
+
+    def hook(self, param: torch.nn.Parameter) -> None:
+        self.pass_started()  # this hook runs before the accumulator's own hooks: queue the end callback first
+        if not self.final_pass():
+            return
+        if self.mode == "learn":
+            if param not in self.recorded:
+                self.order.append(param)
+                self.recorded.add(param)
+            return
+        if not self.on_direct_path():
+            return
+        self.optimizer._allreduce_delay[param] = _HUGE  # before Horovod's hook (it runs after this one)
+        if not self.active:
+            self.start_pass()
+        b, i = self.where[param]
+        bucket = self.buckets[b]
+        if b < self.issued:
+            self.late = param
+            return
+        grad = param.grad
+        bucket.view(i).copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
+        if not bucket.filled[i]:
+            bucket.filled[i] = True
+            bucket.count += 1
+        while self.issued < len(self.buckets) and self.buckets[self.issued].count == len(
+                self.buckets[self.issued].params):
+            self.send(self.issued)
+
+    def start_pass(self) -> None:
+        self.active, self.issued, self.late = True, 0, None
+        for bucket in self.buckets:
+            bucket.filled = [False] * len(bucket.params)
+            bucket.count = 0
+            bucket.errors = []
+        self.buckets[-1].flat[-1] = 0
+
+    def send(self, b: int) -> None:
+        bucket = self.buckets[b]
+        bucket.done.clear()
+        if self.sender is None or not self.sender.is_alive():
+            self.sender = _Sender(self.allreduce)
+            self.sender.start()
+        self.sender.jobs.put((bucket.flat, bucket.done, bucket.errors))
+        self.issued = b + 1
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def synchronize(self, horovod_synchronize: Callable[[], Any]) -> Callable[[], Any]:
+        """The optimizer's ``synchronize``: the direct path's end of step, or Horovod's when not on it."""
+
+        def synchronize() -> Any:
+            if self.active:
+                return self.finish()
+            result = horovod_synchronize()
+            self.counts["horovod"] += 1
+            if self.mode == "learn" and self.order:
+                self.learnt()
+            return result
+
+        return synchronize
+
+    def finish(self) -> Any:
+        """Send what is left (zeros for the parameters without a gradient), wait, write the averages into ``.grad``."""
+        missing = 0
+        for bucket in self.buckets[self.issued:]:
+            for i, filled in enumerate(bucket.filled):
+                if not filled:
+                    bucket.view(i).zero_()
+                    missing += 1
+        if self.issued < len(self.buckets):
+            self.buckets[-1].flat[-1] = missing
+            for b in range(self.issued, len(self.buckets)):
+                self.send(b)
+        self.active = False
+        for b, bucket in enumerate(self.buckets):
+            bucket.done.wait()
+            if bucket.errors:
+                raise HorovodInternalError(
+                    f"hvdp's direct gradient allreduce of bucket {b + 1} of {len(self.buckets)} failed: "
+                    f"{bucket.errors[0]}. Another rank stopped (see its output), or ran a different number of "
+                    f"backward passes; {PATH_ENV}=horovod runs Horovod's path instead.")
+        changed = int(self.buckets[-1].flat[-1].item())
+        scale = self.scale()
+        for bucket in self.buckets:
+            if scale != 1.0:
+                bucket.flat.mul_(scale)
+            for i, p in enumerate(bucket.params):
+                reduced = bucket.view(i).view_as(p)
+                if p.grad is None:
+                    p.grad = reduced.clone()
+                else:
+                    p.grad.copy_(reduced)
+        self.optimizer._handles.clear()
+        self.counts["direct"] += 1
+        if self.late is not None:
+            late, self.late = self.late, None
+            raise RuntimeError(
+                f"hvdp.DistributedOptimizer: {self.names.get(late, 'a parameter')} received a gradient after its "
+                f"bucket was sent, twice in one backward pass (reentrant activation checkpointing does this). "
+                f"Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
+        if changed:  # some rank's graph left parameters without a gradient: learn the order again
+            self.counts["changes"] += 1
+            self.relearn()
+        return None
+
+    def relearn(self) -> None:
+        self.mode, self.order, self.recorded = "learn", [], set()
+        for p in self.params:
+            self.optimizer._allreduce_delay[p] = self.optimizer.backward_passes_per_step
+
+    def learnt(self) -> None:
+        """After a learning step on Horovod's path: cut the buckets, and take the direct path if every rank agrees."""
+        order = self.order + [p for p in self.params if p not in self.recorded]
+        self.order, self.recorded = [], set()
+        usable = self.allreduce.usable() and all(p.dtype in (torch.float32, torch.float64) and p.device.type == "cpu"
+                                                 for p in order)
+        groups: List[List[torch.nn.Parameter]] = []
+        for dtype in (torch.float32, torch.float64):
+            ours = [p for p in reversed(order) if p.dtype == dtype]  # plan() counts from the end
+            if ours:
+                cut = torch_buckets.plan([[p.numel() for p in ours]])
+                groups.extend([ours[i] for i in reversed(bucket.params)] for bucket in reversed(cut))
+        digest = zlib.crc32(repr([(self.index[p], tuple(p.shape), str(p.dtype)) for g in groups for p in g]).encode())
+        mine = torch.tensor([digest, int(usable)], dtype=torch.int64)
+        everyone = hvd.allgather(mine.view(1, 2), name="hvdp.direct.plan")
+        agreed = bool((everyone[:, 0] == digest).all()) and bool(everyone[:, 1].all())
+        self.tries += 1
+        if not agreed:
+            if not usable or self.tries >= TRIES:
+                self.mode = "horovod"
+            return
+        self.buckets = [_Bucket(g, extra=0) for g in groups[:-1]] + [_Bucket(groups[-1], extra=1)]
+        self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
+        self.world, self.mode, self.tries = hvd.size(), "direct", 0
+
+
+def direct_gradients(optimizer: Any, named: Optional[List[Tuple[str, torch.nn.Parameter]]],
+                     plan: Tuple[str, float, float], compression: str, groups: Any, process_set: Any,
+                     sparse: bool, joining: Callable[[], bool]) -> Optional[DirectGradients]:
+    """The direct path for ``optimizer``, or None where it does not apply (Horovod's path then, as before).
+
+    It applies to averaged or summed dense CPU gradients of the whole job without compression or
+    groups, when :data:`PATH_ENV` is not ``horovod``; the dtype and the controller (Gloo) are
+    checked when the plan is made.
+    """
+    op, prescale, postscale = plan  # base.reduction_plan's
+    if chosen_path() != "direct" or op not in ("average", "sum") or compression != "none" or groups is not None:
+        return None
+    if sparse or (process_set is not None and process_set != hvd.global_process_set):
+        return None
+
+    def scale() -> float:  # the sum's factor: the world's size is read at each step (an elastic job's changes)
+        return 1.0 / hvd.size() if op == "average" else prescale * postscale
+
+    return DirectGradients(optimizer, {p: n for n, p in named or []}, scale, joining)

@@ -1,0 +1,112 @@
+"""torch's direct gradient path (hvdp.backends.torch_direct) beside Horovod's path in one job: the same model,
+data and steps through two optimizers, one on each path (HVDP_GRADIENT_PATH read as each is built), for
+several settings; a graph change on one rank (a layer skipped at one step); and a rank that stops sending.
+Each rank reports both models' parameters, the direct path's counts, and what the failing step raised."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+from _report import digest, write
+from sklearn.datasets import load_digits
+
+import hvdp
+
+STEPS = 8
+#: The step at which rank 1 leaves the middle layer out of its forward (its parameters get no gradient there).
+SKIP_STEP = 3
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = torch.nn.Linear(64, 96), torch.nn.Linear(96, 96), torch.nn.Linear(96, 10)
+
+    def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
+        hidden = torch.relu(self.fc1(x))
+        if not skip:
+            hidden = torch.relu(self.fc2(hidden))
+        return self.head(hidden)
+
+
+def batches(rank: int) -> List[Any]:
+    """Rank r's batches: 16 digits each, a different slice per rank and step."""
+    digits = load_digits()
+    x, y = torch.from_numpy(digits.data.astype(np.float32) / 16.0), torch.from_numpy(digits.target)
+    return [(x[i:i + 16], y[i:i + 16]) for i in range(rank * 400, rank * 400 + 16 * 2 * STEPS, 16)]
+
+
+def built(path: str, **options: Any) -> Any:
+    torch.manual_seed(0)
+    model = Net()
+    os.environ["HVDP_GRADIENT_PATH"] = path
+    try:
+        opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), model=model,
+                                        **options)
+    finally:
+        del os.environ["HVDP_GRADIENT_PATH"]
+    return model, opt
+
+
+def train(path: str, options: Dict[str, Any], skip_rank: int = -1, passes: int = 1,
+          local_first: bool = False) -> Dict[str, Any]:
+    model, opt = built(path, **options)
+    data = batches(hvdp.rank())
+    modes = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for k in range(passes):
+            x, y = data[(step * passes + k) % len(data)]
+            skip = step == SKIP_STEP and hvdp.rank() == skip_rank
+            if local_first and k == 0:
+                with opt.no_sync():
+                    torch.nn.functional.cross_entropy(model(x, skip), y).backward()
+            else:
+                torch.nn.functional.cross_entropy(model(x, skip), y).backward()
+        opt.step()
+        direct = opt.gradient_path
+        modes.append(None if direct is None else direct.mode)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    direct = opt.gradient_path
+    return {"params": flat.tolist(), "digest": digest(flat), "modes": modes,
+            "counts": None if direct is None else dict(direct.counts),
+            "buckets": None if direct is None else len(direct.buckets)}
+
+
+def stopping() -> Dict[str, Any]:
+    """Rank 1 leaves the loop a step early: rank 0's last step must fail with a message, not hang."""
+    model, opt = built("direct")
+    data = batches(hvdp.rank())
+    started = time.monotonic()
+    try:
+        for step in range(4):
+            if hvdp.rank() == 1 and step == 3:
+                break
+            opt.zero_grad()
+            x, y = data[step]
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    except Exception as error:  # what the user's loop would see
+        return {"raised": type(error).__name__, "message": str(error), "seconds": time.monotonic() - started}
+    return {"raised": None, "message": "", "seconds": time.monotonic() - started}
+
+
+def main() -> None:
+    hvdp.init(framework="torch")
+    record: Dict[str, Any] = {"rank": hvdp.rank(), "size": hvdp.size(), "cases": {}}
+    settings = {"average": ({}, {}), "sum": ({"op": "sum"}, {}), "predivide": ({"gradient_predivide_factor": 2.0}, {}),
+                "two passes": ({"backward_passes_per_step": 2}, {"passes": 2}),
+                "no_sync": ({}, {"passes": 2, "local_first": True}),
+                "graph change": ({}, {"skip_rank": 1})}
+    for name, (options, how) in settings.items():
+        record["cases"][name] = {path: train(path, options, **how) for path in ("direct", "horovod")}
+    record["stopping"] = stopping()
+    write(hvdp.rank(), record)
+
+
+if __name__ == "__main__":
+    main()
