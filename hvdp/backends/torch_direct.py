@@ -79,6 +79,7 @@ class DirectAllreduce:
         return self.entry is not None and bool(hvd.gloo_enabled())
 
     def __call__(self, tensor: torch.Tensor, channel: int) -> None:
+        assert self.entry is not None, "usable() is checked before any call"
         error = ctypes.create_string_buffer(1024)
         code = self.entry(tensor.data_ptr(), tensor.numel(), _DTYPES[tensor.dtype], channel, error, len(error))
         if code == 2:
@@ -189,6 +190,7 @@ class DirectGradients:
             self.late = param
             return
         grad = param.grad
+        assert grad is not None  # this hook runs once it is accumulated
         bucket.view(i).copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
         if not bucket.filled[i]:
             bucket.filled[i] = True

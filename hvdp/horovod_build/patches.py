@@ -23,7 +23,8 @@ from hvdp.horovod_build.tensorflow_patches import KERAS3_PATCHES
 #: Each framework's changes, by hvdp's name for it: a module with CMAKE_PATCHES, PYTHON_PATCHES, GPU_PATCHES.
 FRAMEWORK_PATCHES: Dict[str, Any] = {"torch": torch_patches, "tensorflow": tensorflow_patches}
 
-__all__ = ["DIRECT_ALLREDUCE", "EARLY_WAKE", "GLOO_REDUCESCATTER", "GPU_PATCHES", "KERAS3_PATCHES", "PATCHES", "PATCH_LEVEL", "Patch"]
+__all__ = ["DIRECT_ALLREDUCE", "EARLY_WAKE", "GLOO_REDUCESCATTER", "GPU_PATCHES", "KERAS3_PATCHES", "PATCHES",
+           "PATCH_LEVEL", "Patch"]
 
 #: Bump whenever the patches change in a way their text does not show, so cached wheels are rebuilt.
 PATCH_LEVEL = 5
