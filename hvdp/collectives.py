@@ -50,6 +50,11 @@ def run(kind: str, backend: Any, value: Any, name: Optional[str], call: Callable
         described = backend.allgather_object(describe(value), _process_sets.handle(process_set, kind))
         ranks = _process_sets.members(process_set, kind)
         per_rank = ", ".join(f"rank {r}: {d}" for r, d in zip(ranks, described))
+        if len(set(described)) == 1:  # found by a direct call's check, which compares names and ops too
+            raise TensorMismatchError(
+                f"hvdp.{kind} of tensor {name or '(unnamed)'}: ranks passed the same dtype and shape ({per_rank}) "
+                f"under different names or ops to the same call. Every rank must make the same calls, in the "
+                f"same order, with the same names and ops.") from exc
         raise TensorMismatchError(
             f"hvdp.{kind} of tensor {name or '(unnamed)'}: ranks passed different shapes or dtypes "
             f"({per_rank}). Every rank must pass the same dtype and shape"

@@ -19,7 +19,7 @@ import torch
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
-from hvdp.backends.torch_direct import direct_gradients
+from hvdp.backends.torch_direct import direct_call, direct_gradients
 from hvdp.backends.torch_gradients import (
     broadcast_buffers_before_forward,
     complete,
@@ -300,6 +300,13 @@ class Backend(HorovodJob):
     def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any, out: Any = None) -> Any:
         tensor, as_numpy = self._to_tensor(value, "allreduce")
         horovod_op, horovod_set = self._op(op), self._set(process_set)
+        if not _differentiable(tensor):  # a small tensor: one direct Gloo call, without Horovod's rounds
+            target = out if out is None or not isinstance(out, np.ndarray) else torch.from_numpy(out)
+            with torch.no_grad():
+                direct = direct_call(tensor, op, name, process_set is None, self.joining,
+                                     target)
+            if direct is not None:
+                return out if out is not None else self._from_tensor(direct, as_numpy)
         if out is not None:  # in place in out: no result tensor to allocate, fault in and free per call
             target = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
             with torch.no_grad():

@@ -180,6 +180,7 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
     from horovod.torch import mpi_ops
 
     import hvdp
+    from hvdp.backends import torch_direct
     from hvdp.bench import breakdown as bd
 
     os.environ["HOROVOD_TIMELINE"] = timeline
@@ -207,6 +208,20 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
 
     hvd.allreduce_async, mpi_ops._allreduce_async = allreduce_async, _allreduce_async
     hvd.synchronize = mpi_ops.synchronize = synchronize
+    exchange = torch_direct._EXCHANGE  # the direct path of small calls: marks around its packing and exchange
+    reduce, entry = exchange.reduce, exchange.entry
+
+    def reduce_marked(*args: Any, **kwargs: Any) -> Any:
+        current["alloc"] = now()
+        return reduce(*args, **kwargs)
+
+    def entry_marked(*args: Any) -> Any:
+        current["enqueue"] = current["enqueued"] = now()
+        code = entry(*args)  # type: ignore[misc]  # set: the build has it (else no call is direct)
+        current["done"] = now()
+        return code
+
+    exchange.reduce, exchange.entry = reduce_marked, entry_marked  # type: ignore[method-assign]
 
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -217,8 +232,16 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
         key = str(nbytes)
         tensors = {v: torch.ones(nbytes // 4) for v in bd.VARIANTS}
         names = {v: f"breakdown.{i}.{nbytes}" for i, v in enumerate(bd.VARIANTS)}
+        def horovods_path() -> Any:
+            os.environ[torch_direct.PATH_ENV] = "horovod"
+            try:
+                return hvdp.allreduce(tensors[bd.VARIANTS[1]], op="sum", name=names[bd.VARIANTS[1]])
+            finally:
+                del os.environ[torch_direct.PATH_ENV]
+
         run = {bd.VARIANTS[0]: lambda: hvdp.allreduce(tensors[bd.VARIANTS[0]], op="sum", name=names[bd.VARIANTS[0]]),
-               bd.VARIANTS[1]: lambda: hvd.allreduce_(tensors[bd.VARIANTS[1]], op=hvd.Sum, name=names[bd.VARIANTS[1]])}
+               bd.VARIANTS[1]: horovods_path,
+               bd.VARIANTS[2]: lambda: hvd.allreduce_(tensors[bd.VARIANTS[2]], op=hvd.Sum, name=names[bd.VARIANTS[2]])}
         for variant in bd.VARIANTS:
             marks[variant][key], minflt[variant][key] = [], []
 
@@ -250,6 +273,7 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
             measure(nbytes)
     finally:
         hvd.allreduce_async, mpi_ops._allreduce_async, hvd.synchronize, mpi_ops.synchronize = originals
+        exchange.reduce, exchange.entry = reduce, entry  # type: ignore[method-assign]
     mine = {"marks": marks, "faults": minflt, "offset_ns": _clock_offset_ns()}
     every = hvdp.allgather_object(mine)
     hvdp.shutdown()
@@ -265,7 +289,10 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
             per_rank = {r: {"marks": rec["marks"][variant][key], "offset_ns": rec["offset_ns"]}
                         for r, rec in enumerate(every)}
             skip = 1 + warmup  # the estimating call and the warm-up calls are left out
-            rows = bd.call_phases(per_rank, parsed, f"allreduce.breakdown.{name_index}.{nbytes}", skip)
+            # A direct call is not in Horovod's timeline (a large one, or any under MPI, is: it took Horovod's path).
+            direct = variant == bd.DIRECT and f"allreduce.breakdown.{name_index}.{nbytes}" not in parsed.calls
+            rows = bd.call_phases(per_rank, None if direct else parsed, f"allreduce.breakdown.{name_index}.{nbytes}",
+                                  skip)
             phases[variant][key] = {str(r): v for r, v in rows.items()}
             fault_out[variant][key] = {str(r): rec["faults"][variant][key][skip:] for r, rec in enumerate(every)}
     env = {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_") and k != "HOROVOD_TIMELINE"}

@@ -384,17 +384,67 @@ DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
           "#endif\n"
           "}\n"
           "\n"
+          "int horovod_hvdp_direct_exchange(void* inbox, long long capacity, long long bytes, int channel,\n"
+          "                                 char* error, int error_size) {\n"
+          "  // hvdp: this rank's message (bytes, at inbox + rank * capacity) to every other rank; rank r's\n"
+          "  // lands at inbox + r * capacity. A message may be shorter than capacity, never longer.\n"
+          "#if HAVE_GLOO\n"
+          "  try {\n"
+          "    if (!horovod_global.initialization_done || horovod_global.shut_down) {\n"
+          "      throw std::logic_error(\"Horovod is not running (call hvdp.init() first)\");\n"
+          "    }\n"
+          "    if (horovod_global.control_operation != LibType::GLOO) {\n"
+          "      return 2;\n"
+          "    }\n"
+          "    std::shared_ptr<gloo::Context> ctx =\n"
+          "        horovod_global.process_set_table.Get(0).gloo_context.ctx;\n"
+          "    if (!ctx) {\n"
+          "      throw std::logic_error(\"the job's Gloo context is gone (Horovod shut down)\");\n"
+          "    }\n"
+          "    if (bytes > capacity) {\n"
+          "      throw std::logic_error(\"the message is longer than a rank's place in the inbox\");\n"
+          "    }\n"
+          "    const int size = ctx->size;\n"
+          "    const int rank = ctx->rank;\n"
+          "    uint8_t* base = static_cast<uint8_t*>(inbox);\n"
+          "    auto all = ctx->createUnboundBuffer(base, (size_t)capacity * (size_t)size);\n"
+          "    const uint64_t slot = gloo::Slot::build(0x68, 0x68760000u + (uint32_t)(channel & 0xffff));\n"
+          "    for (int r = 0; r < size; ++r) {\n"
+          "      if (r != rank) {\n"
+          "        all->recv(r, slot, (size_t)r * (size_t)capacity, (size_t)capacity);\n"
+          "        all->send(r, slot, (size_t)rank * (size_t)capacity, (size_t)bytes);\n"
+          "      }\n"
+          "    }\n"
+          "    for (int r = 1; r < size; ++r) {\n"
+          "      all->waitRecv(ctx->getTimeout());\n"
+          "      all->waitSend(ctx->getTimeout());\n"
+          "    }\n"
+          "    return 0;\n"
+          "  } catch (const std::exception& e) {\n"
+          "    std::snprintf(error, (size_t)error_size, \"%s\", e.what());\n"
+          "    return 1;\n"
+          "  }\n"
+          "#else\n"
+          "  return 2;\n"
+          "#endif\n"
+          "}\n"
+          "\n"
           "bool horovod_gloo_built() {\n",
-          "the direct allreduce, run by its caller on the job's Gloo context"),
+          "the direct allreduce and exchange, run by their caller on the job's Gloo context"),
     Patch(_OPS, '#include "gloo/gloo_controller.h"\n',
-          '#include "gloo/gloo_controller.h"\n#include "gloo/allreduce.h"\n#include "gloo/math.h"\n',
+          '#include "gloo/gloo_controller.h"\n#include "gloo/allreduce.h"\n#include "gloo/math.h"\n'
+          '#include "gloo/transport/unbound_buffer.h"\n',
           "Gloo's allreduce for the direct allreduce"),
     Patch("horovod/common/operations.h", "bool horovod_gloo_built();\n",
           "bool horovod_gloo_built();\n\n"
           "// hvdp: sum-allreduce of data in place by the calling thread on the job's Gloo context (0 done,\n"
           "// 1 failed with the reason in error, 2 not a Gloo job).\n"
           "int horovod_hvdp_direct_allreduce(void* data, long long count, int dtype, int channel,\n"
-          "                                  char* error, int error_size);\n",
+          "                                  char* error, int error_size);\n"
+          "\n"
+          "// hvdp: every rank's message to every rank (rank r's at inbox + r * capacity; 0, 1, 2 as above).\n"
+          "int horovod_hvdp_direct_exchange(void* inbox, long long capacity, long long bytes, int channel,\n"
+          "                                 char* error, int error_size);\n",
           "the direct allreduce's declaration, exported like Horovod's own C interface"),
 )
 

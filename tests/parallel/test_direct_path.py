@@ -2,7 +2,8 @@
 :mod:`hvdp.backends.torch_direct`) against Horovod's negotiated path, in one np=2 job: every setting gives the
 same parameters on both paths and on both ranks; a graph change on one rank is seen by every rank at the same
 step, the step still right, and the next step learns again on Horovod's path; a rank that stops ends the
-other's step with a message within Gloo's timeout."""
+other's step with a message within Gloo's timeout. Small hvdp.allreduce calls (a direct exchange) give
+Horovod's path's results, and calls that differ between ranks are refused on every rank."""
 
 from __future__ import annotations
 
@@ -52,3 +53,30 @@ def test_a_rank_that_stops_ends_the_others_step_with_a_message(job):
     assert "direct gradient allreduce of bucket 1 of 1 failed" in ranks[0]["message"]
     assert "HVDP_GRADIENT_PATH=horovod" in ranks[0]["message"]
     assert ranks[0]["seconds"] < 8 + 20, ranks[0]  # Gloo's timeout (8 s here), not a hang
+
+
+@pytest.mark.parametrize("key", ["float32 sum", "float32 average", "float64 sum", "float64 average", "int32 sum",
+                                 "int64 sum"])
+def test_small_allreduce_matches_horovods_path_on_every_rank(job, key):
+    for r in job.ranks:
+        got = r["calls"][key]
+        assert got["shape"] == [2, 3] and got["dtype"] == "torch." + key.split()[0]
+        assert max_abs_diff(sum(got["direct"], []), sum(got["horovod"], [])) <= 1e-6, (r["rank"], key, got)
+    assert job.ranks[0]["calls"][key]["direct"] == job.ranks[1]["calls"][key]["direct"]
+
+
+def test_small_allreduce_numpy_out_and_numbers(job):
+    for r in job.ranks:
+        assert r["calls"]["numpy out="] == {"returned_out": True, "out": [4.5, 7.5]}
+        assert r["calls"]["numbers"] == [2.5, 5]
+
+
+@pytest.mark.parametrize("what", ["name", "shape", "dtype"])
+def test_calls_that_differ_between_ranks_are_refused_on_every_rank(job, what):
+    """Differing names are refused too (Horovod's path would wait for the other name); differing sizes, which
+    would end a Gloo collective's process, come back as an error, and the next call works."""
+    for r in job.ranks:
+        refusal = r["calls"]["refusals"][what]
+        assert refusal.startswith("TensorMismatchError: "), (r["rank"], refusal)
+        assert "rank 0: " in refusal and "rank 1: " in refusal, refusal
+        assert r["calls"]["refusals"][f"after {what}"] == [2.0, 2.0, 2.0]

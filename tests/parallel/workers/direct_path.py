@@ -95,6 +95,41 @@ def stopping() -> Dict[str, Any]:
     return {"raised": None, "message": "", "seconds": time.monotonic() - started}
 
 
+def calls() -> Dict[str, Any]:
+    """hvdp.allreduce of small values (the direct exchange) beside the same call on Horovod's path, and the
+    refusals of calls that differ between ranks; the call after each refusal must work."""
+    rank, found = hvdp.rank(), {}
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
+        for op in ("sum", "average") if dtype.is_floating_point else ("sum",):
+            value = (torch.arange(6, dtype=dtype).reshape(2, 3) + 3 * rank) * (1 if dtype.is_floating_point else 7)
+            if dtype.is_floating_point:
+                value = value / 3
+            key = f"{str(dtype).replace('torch.', '')} {op}"
+            direct = hvdp.allreduce(value, op=op, name=f"call.{key}")
+            os.environ["HVDP_GRADIENT_PATH"] = "horovod"
+            try:
+                horovod = hvdp.allreduce(value, op=op, name=f"call.{key}.h")
+            finally:
+                del os.environ["HVDP_GRADIENT_PATH"]
+            found[key] = {"direct": direct.tolist(), "horovod": horovod.tolist(), "dtype": str(direct.dtype),
+                          "shape": list(direct.shape)}
+    array = np.array([1.5, 2.5]) * (rank + 1)
+    out = np.empty_like(array)
+    found["numpy out="] = {"returned_out": hvdp.allreduce(array, op="sum", out=out) is out, "out": out.tolist()}
+    found["numbers"] = [hvdp.allreduce(2.0 + rank), hvdp.allreduce(2 + rank, op="sum")]
+    refusals = {}
+    for what, value, name in (("name", torch.ones(4), f"n{rank}"), ("shape", torch.ones(4 + rank), "s"),
+                              ("dtype", torch.ones(4, dtype=torch.float32 if rank else torch.float64), "d")):
+        try:
+            hvdp.allreduce(value, op="sum", name=name)
+            refusals[what] = "no error"
+        except Exception as error:
+            refusals[what] = f"{type(error).__name__}: {error}"
+        refusals[f"after {what}"] = hvdp.allreduce(torch.ones(3), op="sum").tolist()
+    found["refusals"] = refusals
+    return found
+
+
 def main() -> None:
     hvdp.init(framework="torch")
     record: Dict[str, Any] = {"rank": hvdp.rank(), "size": hvdp.size(), "cases": {}}
@@ -104,6 +139,7 @@ def main() -> None:
                 "graph change": ({}, {"skip_rank": 1})}
     for name, (options, how) in settings.items():
         record["cases"][name] = {path: train(path, options, **how) for path in ("direct", "horovod")}
+    record["calls"] = calls()
     record["stopping"] = stopping()
     write(hvdp.rank(), record)
 
