@@ -19,7 +19,7 @@ import torch
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
-from hvdp.backends.torch_direct import direct_call, direct_gradients
+from hvdp.backends.torch_direct import direct_call, direct_gradients, direct_group
 from hvdp.backends.torch_gradients import (
     broadcast_buffers_before_forward,
     complete,
@@ -211,7 +211,17 @@ class Backend(HorovodJob):
                                               prescale_factor=prescale, postscale_factor=postscale,
                                               process_set=horovod_set)]
 
-            return keras_adapter.wrap_optimizer(optimizer, profiler.timed(reduce), backward_passes_per_step)
+            group = direct_group((name, prescale, postscale), compression, groups, horovod_set, lambda: self.joining)
+            if group is None:
+                return keras_adapter.wrap_optimizer(optimizer, profiler.timed(reduce), backward_passes_per_step)
+
+            def reduce_directly(tensors: List[Any]) -> List[Any]:
+                return group(tensors, reduce)
+
+            wrapped_keras = keras_adapter.wrap_optimizer(optimizer, profiler.timed(reduce_directly),
+                                                         backward_passes_per_step)
+            wrapped_keras._hvdp_gradient_path = group
+            return wrapped_keras
         raise TypeError(
             f"hvdp.DistributedOptimizer on torch takes a torch.optim.Optimizer or a Keras 3 "
             f"optimizer (KERAS_BACKEND=torch), got {type(optimizer).__module__}."

@@ -14,7 +14,7 @@ def keras_job(framework, controller, tmp_path_factory):
     if (framework, controller) not in _JOBS:
         out_dir = tmp_path_factory.mktemp(framework)
         ran = run_worker("keras_fit.py", controller, framework, out_dir)
-        ran.framework, ran.out_dir = framework, out_dir
+        ran.framework, ran.controller, ran.out_dir = framework, controller, out_dir
         _JOBS[framework, controller] = ran
     return _JOBS[framework, controller]
 
@@ -36,6 +36,14 @@ def test_fit_on_different_data_keeps_replicas_identical_and_equals_one_process_o
     assert max_abs_diff(r0["after"], r1["after"]) <= 1e-6
     for rank in (r0, r1):
         assert rank["vs_union"]["close"], rank["vs_union"]  # rtol 1e-5, atol 1e-6
+    # On the torch backend the first update learns on Horovod's path, and the others go by direct Gloo calls
+    # (one per dtype, no coordination round); under MPI, and on TensorFlow, every update takes Horovod's path.
+    if job.framework == "torch":
+        want = {"direct": 2, "horovod": 1, "changes": 0} if job.controller == "gloo" else \
+            {"direct": 0, "horovod": 3, "changes": 0}
+        assert [r0["path"], r1["path"]] == [want, want]
+    else:
+        assert r0["path"] is None and r1["path"] is None
 
 
 def test_callbacks_broadcast_average_metrics_and_warm_up(job):
