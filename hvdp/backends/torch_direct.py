@@ -308,6 +308,89 @@ class DirectGradients:
         self.world, self.mode, self.tries = hvd.size(), "direct", 0
 
 
+class DirectGroup:
+    """One update's gradients reduced together (a Keras optimizer's, on Keras's torch backend), by direct calls.
+
+    The first call, and the first after the gradients' dtypes or shapes change, runs on Horovod's
+    path (``horovod_reduce``), and the ranks compare the layout once through Horovod; where every
+    rank has the same, later calls put the gradients end to end in one kept buffer per dtype and
+    allreduce each with one direct Gloo call (Keras gives every trainable variable a gradient, zeros
+    where it has none, so the layout is the variables'). ``counts`` as :class:`DirectGradients`'.
+    """
+
+    def __init__(self, scale: Callable[[], float], joining: Callable[[], bool]) -> None:
+        self.scale, self.joining = scale, joining
+        self.allreduce = DirectAllreduce()
+        self.layout: Optional[Tuple[Tuple[str, Tuple[int, ...]], ...]] = None  # agreed by every rank
+        self.tried: Optional[Tuple[Tuple[str, Tuple[int, ...]], ...]] = None  # compared, not agreed
+        self.buffers: Dict[torch.dtype, torch.Tensor] = {}
+        self.world = hvd.size()
+        self.counts = {"direct": 0, "horovod": 0, "changes": 0}
+
+    def __call__(self, tensors: List[torch.Tensor], horovod_reduce: Callable[[List[Any]], List[Any]]) -> List[Any]:
+        layout = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)
+        if layout == self.layout and not self.joining() and hvd.size() == self.world:
+            return self.direct(tensors)
+        result = horovod_reduce(tensors)
+        self.counts["horovod"] += 1
+        if self.joining() or layout == self.tried:
+            return result
+        if self.layout is not None:
+            self.counts["changes"] += 1
+        usable = self.allreduce.usable() and all(t.dtype in (torch.float32, torch.float64) and t.device.type == "cpu"
+                                                 for t in tensors)
+        digest = zlib.crc32(repr(layout).encode())
+        everyone = hvd.allgather(torch.tensor([[digest, int(usable)]], dtype=torch.int64), name="hvdp.direct.layout")
+        if bool((everyone[:, 0] == digest).all()) and bool(everyone[:, 1].all()):
+            self.layout, self.tried, self.world = layout, None, hvd.size()
+            self.buffers = {}
+            for t in tensors:
+                self.buffers[t.dtype] = torch.empty(0)
+            for dtype in self.buffers:
+                self.buffers[dtype] = torch.empty(sum(t.numel() for t in tensors if t.dtype == dtype), dtype=dtype)
+        else:
+            self.layout, self.tried = None, layout
+        return result
+
+    def direct(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        results: List[Any] = [None] * len(tensors)
+        scale = self.scale()
+        for dtype, flat in self.buffers.items():
+            mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            offset = 0
+            for i in mine:
+                n = tensors[i].numel()
+                flat[offset:offset + n].copy_(tensors[i].detach().reshape(-1))
+                offset += n
+            try:
+                self.allreduce(flat, CHANNEL)
+            except HorovodInternalError as error:
+                raise HorovodInternalError(
+                    f"hvdp's direct gradient allreduce ({dtype}, {flat.numel()} elements) failed: {error}. Another "
+                    f"rank stopped (see its output), or its model's trainable variables changed; {PATH_ENV}=horovod "
+                    f"runs Horovod's path instead.") from error
+            if scale != 1.0:
+                flat.mul_(scale)
+            offset = 0
+            for i in mine:
+                n = tensors[i].numel()
+                results[i] = flat[offset:offset + n].view_as(tensors[i]).clone()
+                offset += n
+        self.counts["direct"] += 1
+        return results
+
+
+def direct_group(plan: Tuple[str, float, float], compression: str, groups: Any, process_set: Any,
+                 joining: Callable[[], bool]) -> Optional[DirectGroup]:
+    """The direct path of a Keras optimizer's gradients on the torch backend, or None (as :func:`direct_gradients`)."""
+    op, prescale, postscale = plan
+    if chosen_path() != "direct" or op not in ("average", "sum") or compression != "none" or groups is not None:
+        return None
+    if process_set is not None and process_set != hvd.global_process_set:
+        return None
+    return DirectGroup(lambda: 1.0 / hvd.size() if op == "average" else prescale * postscale, joining)
+
+
 def direct_gradients(optimizer: Any, named: Optional[List[Tuple[str, torch.nn.Parameter]]],
                      plan: Tuple[str, float, float], compression: str, groups: Any, process_set: Any,
                      sparse: bool, joining: Callable[[], bool]) -> Optional[DirectGradients]:
