@@ -19,7 +19,7 @@ import torch
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
-from hvdp.backends.torch_direct import direct_call, direct_gradients, direct_group
+from hvdp.backends.torch_direct import direct_call, direct_gradients, direct_group, serve_until_finished
 from hvdp.backends.torch_gradients import (
     broadcast_buffers_before_forward,
     complete,
@@ -227,6 +227,11 @@ class Backend(HorovodJob):
             f"optimizer (KERAS_BACKEND=torch), got {type(optimizer).__module__}."
             f"{type(optimizer).__name__}."
         )
+
+    def join(self) -> int:
+        if not self.joining:  # the end of the job: ranks still training on the direct path get zeros from this one
+            serve_until_finished()
+        return int(self._hvd.join())
 
     def on_step(self, optimizer: Any, callback: Callable[[Callable[[], List[Tuple[str, Any]]]], None]) -> bool:
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -32,9 +32,12 @@ throughout (to compare); the path taken is on ``optimizer.gradient_path``.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import queue
+import sys
 import threading
+import weakref
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -65,6 +68,33 @@ def chosen_path() -> str:
     return value
 
 
+#: The stall timeout when none is set (hvdp run's default, ``--stall-timeout``): how long a direct call waits.
+DEFAULT_TIMEOUT_S = 300
+
+
+def timeout_ms() -> int:
+    """How long a direct call waits for the other ranks: the job's stall timeout (hvdp run sets
+    ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` from ``--stall-timeout``), else :data:`DEFAULT_TIMEOUT_S`.
+
+    Horovod's path waits as long before its stall inspector ends the job: a rank that is merely busy
+    (rank 0 evaluating or saving while the others wait) is given the same time on both paths.
+    """
+    try:
+        seconds = int(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0"))
+    except ValueError:
+        seconds = 0
+    return 1000 * (seconds if seconds > 0 else DEFAULT_TIMEOUT_S)
+
+
+def report_stall(what: str, waited_ms: int) -> None:
+    """On a timed-out direct call: the lines of Horovod's stall report that hvdp run reads (the other ranks
+    never sent ``what``), so the job ends saying which rank stalled, as on Horovod's path."""
+    others = [r for r in range(hvd.size()) if r != hvd.rank()]
+    lines = [f"[hvdp] One or more ranks stalled for {waited_ms // 1000} s in a direct allreduce ({what}). "
+             f"Missing ranks:"] + [f"{r}!: [allreduce.{what}]" for r in others]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
 class DirectAllreduce:
     """The build's ``horovod_hvdp_direct_allreduce``: a sum-allreduce in place, run by the calling thread."""
 
@@ -72,7 +102,7 @@ class DirectAllreduce:
         self.entry = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_direct_allreduce", None)
         if self.entry is not None:
             self.entry.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_char_p, ctypes.c_int]
+                                   ctypes.c_longlong, ctypes.c_char_p, ctypes.c_int]
             self.entry.restype = ctypes.c_int
 
     def usable(self) -> bool:
@@ -82,7 +112,8 @@ class DirectAllreduce:
     def __call__(self, tensor: torch.Tensor, channel: int) -> None:
         assert self.entry is not None, "usable() is checked before any call"
         error = ctypes.create_string_buffer(1024)
-        code = self.entry(tensor.data_ptr(), tensor.numel(), _DTYPES[tensor.dtype], channel, error, len(error))
+        code = self.entry(tensor.data_ptr(), tensor.numel(), _DTYPES[tensor.dtype], channel, timeout_ms(), error,
+                          len(error))
         if code == 2:
             raise HorovodInternalError("hvdp's direct allreduce needs a Gloo job (this one runs on MPI).")
         if code != 0:
@@ -90,12 +121,19 @@ class DirectAllreduce:
 
 
 class _Sender(threading.Thread):
-    """One thread that allreduces the buckets handed to it, in order (the GIL is free during each call)."""
+    """The thread that allreduces the buckets handed to it, in order (the GIL is free during each call).
+
+    One for the process (:func:`sender`): every optimizer's buckets go through it in the order their
+    hooks handed them over, which is the same on every rank (two optimizers over one backward pass
+    fill their buckets in autograd's order); two threads on one channel could send them in either order.
+    """
 
     def __init__(self, allreduce: DirectAllreduce) -> None:
         super().__init__(name="hvdp-direct-allreduce", daemon=True)
         self.allreduce = allreduce
         self.jobs: "queue.SimpleQueue[Optional[Tuple[torch.Tensor, threading.Event, List[str]]]]" = queue.SimpleQueue()
+
+    failed = False  # a call failed: the jobs queued behind it are not run (the step is lost anyway)
 
     def run(self) -> None:
         while True:
@@ -104,11 +142,26 @@ class _Sender(threading.Thread):
                 return
             flat, done, errors = job
             try:
-                self.allreduce(flat, CHANNEL)
+                if self.failed:
+                    errors.append("not sent: an earlier bucket's allreduce failed")
+                else:
+                    self.allreduce(flat, CHANNEL)
             except Exception as error:  # handed to the waiting step, which raises it
+                self.failed = True
                 errors.append(str(error))
             finally:
                 done.set()
+
+
+_SENDER: List[_Sender] = []
+
+
+def sender(allreduce: DirectAllreduce) -> _Sender:
+    """The process's sender thread, started anew after a failed call (the jobs queued behind it were dropped)."""
+    if not _SENDER or not _SENDER[0].is_alive() or _SENDER[0].failed:
+        _SENDER[:] = [_Sender(allreduce)]
+        _SENDER[0].start()
+    return _SENDER[0]
 
 
 class _Bucket:
@@ -127,6 +180,22 @@ class _Bucket:
 
     def view(self, i: int) -> torch.Tensor:
         return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+
+#: Every live optimizer's direct path (:func:`serve_until_finished` looks for those still on it).
+_PATHS: "weakref.WeakSet[DirectGradients]" = weakref.WeakSet()
+
+
+def serve_until_finished() -> None:
+    """Before Horovod's join at the end of a job: a rank whose optimizer is on the direct path takes part
+    in the other ranks' remaining steps with zeros (:meth:`DirectGradients.serve_until_finished`), as
+    Horovod's join does on Horovod's path, so that ranks with more batches finish theirs (and the job
+    then names each rank's step count). With two or more optimizers on it, the steps' buckets could not
+    be told apart: the others then wait out the stall timeout and end with its message."""
+    gc.collect()  # optimizers no longer reachable (an earlier run's) must not count
+    on_it = [path for path in _PATHS if path.mode == "direct"]
+    if len(on_it) == 1:
+        on_it[0].serve_until_finished()
 
 
 class DirectGradients:
@@ -152,11 +221,11 @@ class DirectGradients:
         self.active = False  # the pass now running fills the buckets
         self.late: Optional[torch.nn.Parameter] = None
         self.world = hvd.size()
-        self.sender: Optional[_Sender] = None
         #: Steps on each path, and the graph changes seen (the optimizer's ``gradient_path_counts``).
         self.counts = {"direct": 0, "horovod": 0, "changes": 0}
         self.final_pass: Callable[[], bool] = lambda: True
         self.pass_started: Callable[[], None] = lambda: None
+        _PATHS.add(self)
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -192,7 +261,9 @@ class DirectGradients:
             return
         grad = param.grad
         assert grad is not None  # this hook runs once it is accumulated
-        bucket.view(i).copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
+        view = bucket.view(i)
+        if grad.is_sparse or grad.data_ptr() != view.data_ptr():  # else .grad is this view already: accumulated in it
+            view.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
         if not bucket.filled[i]:
             bucket.filled[i] = True
             bucket.count += 1
@@ -206,15 +277,12 @@ class DirectGradients:
             bucket.filled = [False] * len(bucket.params)
             bucket.count = 0
             bucket.errors = []
-        self.buckets[-1].flat[-1] = 0
+        self.buckets[-1].flat[-2:] = 0
 
     def send(self, b: int) -> None:
         bucket = self.buckets[b]
         bucket.done.clear()
-        if self.sender is None or not self.sender.is_alive():
-            self.sender = _Sender(self.allreduce)
-            self.sender.start()
-        self.sender.jobs.put((bucket.flat, bucket.done, bucket.errors))
+        sender(self.allreduce).jobs.put((bucket.flat, bucket.done, bucket.errors))
         self.issued = b + 1
 
     # -- the step ------------------------------------------------------------------------------
@@ -242,26 +310,22 @@ class DirectGradients:
                     bucket.view(i).zero_()
                     missing += 1
         if self.issued < len(self.buckets):
-            self.buckets[-1].flat[-1] = missing
+            self.buckets[-1].flat[-2] = missing
             for b in range(self.issued, len(self.buckets)):
                 self.send(b)
         self.active = False
-        for b, bucket in enumerate(self.buckets):
-            bucket.done.wait()
-            if bucket.errors:
-                raise HorovodInternalError(
-                    f"hvdp's direct gradient allreduce of bucket {b + 1} of {len(self.buckets)} failed: "
-                    f"{bucket.errors[0]}. Another rank stopped (see its output), or ran a different number of "
-                    f"backward passes; {PATH_ENV}=horovod runs Horovod's path instead.")
-        changed = int(self.buckets[-1].flat[-1].item())
+        self.wait("gradients")
+        changed, finished = (int(v) for v in self.buckets[-1].flat[-2:].tolist())
         scale = self.scale()
         for bucket in self.buckets:
             if scale != 1.0:
                 bucket.flat.mul_(scale)
             for i, p in enumerate(bucket.params):
+                # Copied out, as Horovod's path leaves .grad (a view of the bucket would save the copy, but a
+                # .grad kept from an earlier step would then change under its holder at the next backward).
                 reduced = bucket.view(i).view_as(p)
                 if p.grad is None:
-                    p.grad = reduced.clone()
+                    p.grad = reduced.clone(memory_format=torch.preserve_format)
                 else:
                     p.grad.copy_(reduced)
         self.optimizer._handles.clear()
@@ -272,10 +336,44 @@ class DirectGradients:
                 f"hvdp.DistributedOptimizer: {self.names.get(late, 'a parameter')} received a gradient after its "
                 f"bucket was sent, twice in one backward pass (reentrant activation checkpointing does this). "
                 f"Fix: torch.utils.checkpoint.checkpoint(..., use_reentrant=False).")
-        if changed:  # some rank's graph left parameters without a gradient: learn the order again
+        if changed:  # some rank's graph left parameters without a gradient
             self.counts["changes"] += 1
-            self.relearn()
+            if not finished:  # learn the order again (not while a finished rank serves the direct path only)
+                self.relearn()
         return None
+
+    def wait(self, what: str) -> None:
+        """Wait for every bucket sent; a failed one ends the step with its reason (a timeout: who stalled)."""
+        for bucket in self.buckets:
+            bucket.done.wait()
+        for b, bucket in enumerate(self.buckets):
+            if bucket.errors:
+                self.relearn()  # an elastic job goes on from its last commit: on Horovod's path first
+                if "Timed out" in bucket.errors[0] or "timed out" in bucket.errors[0]:
+                    report_stall(f"hvdp.direct.{what}.bucket{b + 1}of{len(self.buckets)}", timeout_ms())
+                raise HorovodInternalError(
+                    f"hvdp's direct gradient allreduce of bucket {b + 1} of {len(self.buckets)} failed: "
+                    f"{bucket.errors[0]}. Another rank stopped or stalled (see its output), or ran a different "
+                    f"number of backward passes; {PATH_ENV}=horovod runs Horovod's path instead.")
+
+    def serve_until_finished(self) -> None:
+        """On a rank that left its training loop while on the direct path: send zeros for every bucket, as
+        often as the ranks still training step, until every rank has left (each says so in the last
+        bucket's last element). Horovod's join does this for Horovod's path."""
+        if self.mode != "direct" or not self.buckets or hvd.size() != self.world:
+            return
+        while True:
+            self.start_pass()
+            for bucket in self.buckets:
+                bucket.flat.zero_()
+            self.buckets[-1].flat[-1] = 1
+            for b in range(len(self.buckets)):
+                self.send(b)
+            self.active = False
+            self.wait("gradients (a rank that left its loop)")
+            if int(self.buckets[-1].flat[-1].item()) >= hvd.size():
+                break
+        self.mode = "horovod"  # the loop is over on every rank
 
     def relearn(self) -> None:
         self.mode, self.order, self.recorded = "learn", [], set()
@@ -303,7 +401,7 @@ class DirectGradients:
             if not usable or self.tries >= TRIES:
                 self.mode = "horovod"
             return
-        self.buckets = [_Bucket(g, extra=0) for g in groups[:-1]] + [_Bucket(groups[-1], extra=1)]
+        self.buckets = [_Bucket(g, extra=0) for g in groups[:-1]] + [_Bucket(groups[-1], extra=2)]
         self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.world, self.mode, self.tries = hvd.size(), "direct", 0
 
@@ -438,7 +536,7 @@ class DirectExchange:
         self.entry = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_direct_exchange", None)
         if self.entry is not None:
             self.entry.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int,
-                                   ctypes.c_char_p, ctypes.c_int]
+                                   ctypes.c_longlong, ctypes.c_char_p, ctypes.c_int]
             self.entry.restype = ctypes.c_int
         self.lock = threading.Lock()
         self.inbox: Optional[torch.Tensor] = None  # every rank's place, kept from call to call
@@ -473,8 +571,10 @@ class DirectExchange:
                 self.headers = self.places[:, :_HEADER].view(np.int64)[:, :3]
             self.headers[rank] = (_MARK, nbytes, mark)
             self.places[rank, _HEADER:_HEADER + nbytes].view(values.dtype)[:] = values
-            code = self.entry(self.inbox.data_ptr(), self.capacity, _HEADER + nbytes, CALL_CHANNEL, self.error,
-                              len(self.error))
+            code = self.entry(self.inbox.data_ptr(), self.capacity, _HEADER + nbytes, CALL_CHANNEL, timeout_ms(),
+                              self.error, len(self.error))
+            if code == 1 and b"imed out" in self.error.value:
+                report_stall(f"{name or 'unnamed'}", timeout_ms())
             if code != 0:
                 raise HorovodInternalError(self.error.value.decode(errors="replace") if code == 1 else
                                            "hvdp's direct exchange needs a Gloo job (this one runs on MPI).")

@@ -328,12 +328,16 @@ GLOO_REDUCESCATTER: Tuple[Patch, ...] = (
 #: on one channel must come in the same order on every rank, as torch.distributed's do. A rank that
 #: never makes its call ends the others' with Gloo's timeout (HOROVOD_GLOO_TIMEOUT_SECONDS), and one
 #: whose size differs ends them with Gloo's size error: the message comes back in ``error``, the
-#: return value is 1. Not built into a job on MPI: it then returns 2.
+#: return value is 1. Not built into a job on MPI: it then returns 2. ``timeout_ms`` replaces Gloo's
+#: timeout (hvdp passes its stall timeout). ``horovod_hvdp_direct_exchange`` sends this rank's message
+#: to every other rank into places of a fixed capacity: messages of different lengths arrive whole,
+#: where a collective on buffers of different sizes would end the process inside Gloo.
 DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
     Patch(_OPS, "bool horovod_gloo_built() {\n",
           "int horovod_hvdp_direct_allreduce(void* data, long long count, int dtype, int channel,\n"
-          "                                  char* error, int error_size) {\n"
-          "  // hvdp: dtype 0 float32, 1 float64, 2 int32, 3 int64; channel 0..65535.\n"
+          "                                  long long timeout_ms, char* error, int error_size) {\n"
+          "  // hvdp: dtype 0 float32, 1 float64, 2 int32, 3 int64; channel 0..65535; timeout_ms <= 0: the\n"
+          "  // context's (HOROVOD_GLOO_TIMEOUT_SECONDS).\n"
           "#if HAVE_GLOO\n"
           "  try {\n"
           "    if (!horovod_global.initialization_done || horovod_global.shut_down) {\n"
@@ -349,6 +353,9 @@ DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
           "    }\n"
           "    gloo::AllreduceOptions opts(ctx);\n"
           "    opts.setTag(0x68760000u + (uint32_t)(channel & 0xffff));\n"
+          "    if (timeout_ms > 0) {\n"
+          "      opts.setTimeout(std::chrono::milliseconds(timeout_ms));\n"
+          "    }\n"
           "    switch (dtype) {\n"
           "    case 0:\n"
           "      opts.setOutput<float>(static_cast<float*>(data), (size_t)count);\n"
@@ -385,7 +392,7 @@ DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
           "}\n"
           "\n"
           "int horovod_hvdp_direct_exchange(void* inbox, long long capacity, long long bytes, int channel,\n"
-          "                                 char* error, int error_size) {\n"
+          "                                 long long timeout_ms, char* error, int error_size) {\n"
           "  // hvdp: this rank's message (bytes, at inbox + rank * capacity) to every other rank; rank r's\n"
           "  // lands at inbox + r * capacity. A message may be shorter than capacity, never longer.\n"
           "#if HAVE_GLOO\n"
@@ -415,9 +422,11 @@ DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
           "        all->send(r, slot, (size_t)rank * (size_t)capacity, (size_t)bytes);\n"
           "      }\n"
           "    }\n"
+          "    const std::chrono::milliseconds timeout =\n"
+          "        timeout_ms > 0 ? std::chrono::milliseconds(timeout_ms) : ctx->getTimeout();\n"
           "    for (int r = 1; r < size; ++r) {\n"
-          "      all->waitRecv(ctx->getTimeout());\n"
-          "      all->waitSend(ctx->getTimeout());\n"
+          "      all->waitRecv(timeout);\n"
+          "      all->waitSend(timeout);\n"
           "    }\n"
           "    return 0;\n"
           "  } catch (const std::exception& e) {\n"
@@ -440,11 +449,11 @@ DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
           "// hvdp: sum-allreduce of data in place by the calling thread on the job's Gloo context (0 done,\n"
           "// 1 failed with the reason in error, 2 not a Gloo job).\n"
           "int horovod_hvdp_direct_allreduce(void* data, long long count, int dtype, int channel,\n"
-          "                                  char* error, int error_size);\n"
+          "                                  long long timeout_ms, char* error, int error_size);\n"
           "\n"
           "// hvdp: every rank's message to every rank (rank r's at inbox + r * capacity; 0, 1, 2 as above).\n"
           "int horovod_hvdp_direct_exchange(void* inbox, long long capacity, long long bytes, int channel,\n"
-          "                                 char* error, int error_size);\n",
+          "                                 long long timeout_ms, char* error, int error_size);\n",
           "the direct allreduce's declaration, exported like Horovod's own C interface"),
 )
 

@@ -3,7 +3,8 @@
 The jobs run with HOROVOD_CYCLE_TIME=200 (ms) so that the wake is unmistakable: a
 blocking 4 KB allreduce, allgather or reducescatter, a gradient step or a sharded
 Keras update that wakes Horovod's loop ends well inside one cycle; with
-HVDP_EARLY_WAKE=0 it waits for the next round, most of a cycle. This checks behaviour,
+HVDP_EARLY_WAKE=0 (and HVDP_GRADIENT_PATH=horovod: torch's direct path and direct small calls skip
+Horovod's loop altogether) it waits for the next round, most of a cycle. This checks behaviour,
 not speed (``hvdp bench`` measures that at the default cycle).
 """
 
@@ -29,7 +30,7 @@ def job(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def unwoken(tmp_path_factory):
     return run_worker("data_path.py", "gloo", "torch", tmp_path_factory.mktemp("unwoken"),
-                      extra_env={**SLOW, "HVDP_EARLY_WAKE": "0"})
+                      extra_env={**SLOW, "HVDP_EARLY_WAKE": "0", "HVDP_GRADIENT_PATH": "horovod"})
 
 
 def test_out_holds_the_same_result_as_a_new_tensor_on_every_rank(job):

@@ -1,12 +1,13 @@
 """torch's direct gradient path (hvdp.backends.torch_direct) beside Horovod's path in one job: the same model,
 data and steps through two optimizers, one on each path (HVDP_GRADIENT_PATH read as each is built), for
-several settings; a graph change on one rank (a layer skipped at one step); and a rank that stops sending.
-Each rank reports both models' parameters, the direct path's counts, and what the failing step raised."""
+several settings; a graph change on one rank (a layer skipped at one step); two optimizers over one backward
+pass; small hvdp.allreduce calls. Each rank reports both models' parameters and the direct path's counts.
+(A rank that stalls on the direct path: tests/parallel/test_faults.py; one that leaves its loop early:
+test_core.py's uneven steps.)"""
 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Dict, List
 
 import numpy as np
@@ -77,22 +78,30 @@ def train(path: str, options: Dict[str, Any], skip_rank: int = -1, passes: int =
             "buckets": None if direct is None else len(direct.buckets)}
 
 
-def stopping() -> Dict[str, Any]:
-    """Rank 1 leaves the loop a step early: rank 0's last step must fail with a message, not hang."""
-    model, opt = built("direct")
-    data = batches(hvdp.rank())
-    started = time.monotonic()
+def two_optimizers(path: str) -> Dict[str, Any]:
+    """Two optimizers over one backward pass (the head and the body of one model): both paths' buckets go
+    through the process's one sender thread in the order their hooks handed them over."""
+    torch.manual_seed(0)
+    model = Net()
+    os.environ["HVDP_GRADIENT_PATH"] = path
     try:
-        for step in range(4):
-            if hvdp.rank() == 1 and step == 3:
-                break
-            opt.zero_grad()
-            x, y = data[step]
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-    except Exception as error:  # what the user's loop would see
-        return {"raised": type(error).__name__, "message": str(error), "seconds": time.monotonic() - started}
-    return {"raised": None, "message": "", "seconds": time.monotonic() - started}
+        body = hvdp.DistributedOptimizer(torch.optim.SGD([*model.fc1.parameters(), *model.fc2.parameters()], lr=0.2),
+                                         model, broadcast_buffers=False)
+        head = hvdp.DistributedOptimizer(torch.optim.Adam(model.head.parameters(), lr=0.01), model,
+                                         broadcast_buffers=False)
+    finally:
+        del os.environ["HVDP_GRADIENT_PATH"]
+    data = batches(hvdp.rank())
+    for step in range(STEPS):
+        body.zero_grad()
+        head.zero_grad()
+        x, y = data[step]
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        body.step()
+        head.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    return {"params": flat.tolist(), "digest": digest(flat),
+            "counts": [None if o.gradient_path is None else dict(o.gradient_path.counts) for o in (body, head)]}
 
 
 def calls() -> Dict[str, Any]:
@@ -139,8 +148,8 @@ def main() -> None:
                 "graph change": ({}, {"skip_rank": 1})}
     for name, (options, how) in settings.items():
         record["cases"][name] = {path: train(path, options, **how) for path in ("direct", "horovod")}
+    record["two optimizers"] = {path: two_optimizers(path) for path in ("direct", "horovod")}
     record["calls"] = calls()
-    record["stopping"] = stopping()
     write(hvdp.rank(), record)
 
 
