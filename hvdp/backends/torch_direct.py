@@ -463,6 +463,8 @@ class DirectGroup:
             try:
                 self.allreduce(flat, CHANNEL)
             except HorovodInternalError as error:
+                if "imed out" in str(error):
+                    report_stall(f"hvdp.direct.keras_gradients.{dtype}", timeout_ms())
                 raise HorovodInternalError(
                     f"hvdp's direct gradient allreduce ({dtype}, {flat.numel()} elements) failed: {error}. Another "
                     f"rank stopped (see its output), or its model's trainable variables changed; {PATH_ENV}=horovod "
