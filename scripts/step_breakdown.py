@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import hvdp
-from hvdp.backends import torch_direct, torch_gradients
+from hvdp.backends import torch_direct_calls, torch_gradients
 from hvdp.bench import breakdown, models
 from hvdp.bench.torch_bench import build_model
 
@@ -35,11 +35,11 @@ PHASES = ("forward", "backward compute", "hooks", "wait at backward's end", "opt
 def build(path: str, model_name: str) -> Any:
     torch.manual_seed(0)
     model = build_model(model_name)
-    os.environ[torch_direct.PATH_ENV] = path
+    os.environ[torch_direct_calls.PATH_ENV] = path
     try:
         opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), model)
     finally:
-        del os.environ[torch_direct.PATH_ENV]
+        del os.environ[torch_direct_calls.PATH_ENV]
     hvdp.broadcast_state(model, opt)
     return model, opt
 
@@ -68,7 +68,7 @@ def instrument(opt: Any, path: str, clock: Dict[str, float]) -> None:
             p._post_accumulate_grad_hooks.clear()
             p.register_post_accumulate_grad_hook(direct.hook)
         # the sender thread's Gloo calls (the class's: the thread took the instance when it started)
-        torch_direct.DirectAllreduce.__call__ = timed(torch_direct.DirectAllreduce.__call__,  # type: ignore
+        torch_direct_calls.DirectAllreduce.__call__ = timed(torch_direct_calls.DirectAllreduce.__call__,  # type: ignore
                                                       "transport")
 
 

@@ -19,7 +19,8 @@ import torch
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
-from hvdp.backends.torch_direct import direct_call, direct_gradients, direct_group, serve_until_finished
+from hvdp.backends.torch_direct import direct_gradients, serve_until_finished
+from hvdp.backends.torch_direct_calls import direct_call
 from hvdp.backends.torch_gradients import (
     broadcast_buffers_before_forward,
     complete,
@@ -27,6 +28,7 @@ from hvdp.backends.torch_gradients import (
     sleeping_synchronize,
     sparse_gradients,
 )
+from hvdp.backends.torch_keras import keras_optimizer
 from hvdp.backends.torch_sharded import job_ranks, load_state_keeping_objects, shard, whole_for_broadcast
 
 
@@ -147,11 +149,12 @@ class Backend(HorovodJob):
     ) -> Any:
         horovod_set = self._set(process_set)
         first = job_ranks(horovod_set)[0]  # the buffers' root: the set's first rank (0 for the whole job)
+        plan = reduction_plan(op, gradient_predivide_factor, self.size() if process_set is None else
+                              int(process_set.size()))
         if isinstance(optimizer, torch.optim.Optimizer) and shard_optimizer_state:
             if model is not None and broadcast_buffers:
                 broadcast_buffers_before_forward(model, first, horovod_set, joining=lambda: self.joining)
-            size = self.size() if process_set is None else int(process_set.size())
-            name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
+            name, prescale, postscale = plan
             names = {p: n for n, p in model.named_parameters()} if isinstance(model, torch.nn.Module) else {}
             return shard(optimizer, names, self._op(name), compression, prescale, postscale, horovod_set,
                          backward_passes_per_step)
@@ -183,45 +186,20 @@ class Backend(HorovodJob):
             if op == "adasum":  # Adasum reduces the update inside step(), not the gradients
                 wrapped.synchronize = profiler.timed(sleeping_synchronize(wrapped))
                 return wrapped
-            size = self.size() if process_set is None else int(process_set.size())
             sparse = model is not None and any(getattr(m, "sparse", False) for m in model.modules())
-            direct = direct_gradients(wrapped, named, reduction_plan(op, gradient_predivide_factor, size),
-                                      compression, groups, horovod_set, sparse, lambda: self.joining)
+            direct = direct_gradients(wrapped, named, plan, compression, groups, horovod_set, sparse,
+                                      lambda: self.joining)
             synchronize = sleeping_synchronize(wrapped)
             # The wait for the gradient allreduces in synchronize() is phase "sync", on either path.
             wrapped.synchronize = profiler.timed(synchronize if direct is None else direct.synchronize(synchronize))
             wrapped.gradient_path = direct
             return reduce_at_backward_end(wrapped, direct)
         if keras_adapter.is_keras_optimizer(optimizer):
-            size = self.size() if process_set is None else int(process_set.size())
-            name, prescale, postscale = reduction_plan(op, gradient_predivide_factor, size)
             if shard_optimizer_state:
-                return keras_adapter.shard_optimizer(optimizer, name, prescale, postscale, compression, horovod_set,
+                return keras_adapter.shard_optimizer(optimizer, *plan, compression, horovod_set,
                                                      backward_passes_per_step)
-            horovod_op, comp = self._op(name), self._compression(compression)
-            parts = keras_adapter.keras_groups(groups)
-
-            # Named: Horovod's torch names for unnamed tensors count per process, not per set.
-            def reduce(tensors: List[Any]) -> List[Any]:
-                if name == "adasum":
-                    return [hvd.allreduce(t, op=horovod_op, compression=comp, name=f"hvdp.gradients.{i}")
-                            for i, t in enumerate(tensors)]
-                return [reduced for g, group in enumerate(keras_adapter.in_groups(tensors, parts)) for reduced in
-                        hvd.grouped_allreduce(group, op=horovod_op, compression=comp, name=f"hvdp.gradients.g{g}",
-                                              prescale_factor=prescale, postscale_factor=postscale,
-                                              process_set=horovod_set)]
-
-            group = direct_group((name, prescale, postscale), compression, groups, horovod_set, lambda: self.joining)
-            if group is None:
-                return keras_adapter.wrap_optimizer(optimizer, profiler.timed(reduce), backward_passes_per_step)
-
-            def reduce_directly(tensors: List[Any]) -> List[Any]:
-                return group(tensors, reduce)
-
-            wrapped_keras = keras_adapter.wrap_optimizer(optimizer, profiler.timed(reduce_directly),
-                                                         backward_passes_per_step)
-            wrapped_keras._hvdp_gradient_path = group
-            return wrapped_keras
+            return keras_optimizer(optimizer, plan, self._op(plan[0]), compression, self._compression(compression),
+                                   groups, horovod_set, backward_passes_per_step, lambda: self.joining)
         raise TypeError(
             f"hvdp.DistributedOptimizer on torch takes a torch.optim.Optimizer or a Keras 3 "
             f"optimizer (KERAS_BACKEND=torch), got {type(optimizer).__module__}."
@@ -260,10 +238,8 @@ class Backend(HorovodJob):
             )
             return
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"broadcast_state on torch takes a torch.nn.Module or a Keras 3 model, "
-                f"got {type(model).__name__}."
-            )
+            raise TypeError(f"broadcast_state on torch takes a torch.nn.Module or a Keras 3 model, "
+                            f"got {type(model).__name__}.")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer for a torch module, got "

@@ -23,101 +23,37 @@ says what is known already. This path skips it:
    on any rank at the same step; the step's result is still right (zeros for the missing
    gradients, as on Horovod's path), and the next step learns again on Horovod's path.
 
-A rank that stops sending (it crashed, or ran fewer backward passes) ends the others' wait
-with Gloo's timeout (``HOROVOD_GLOO_TIMEOUT_SECONDS``) as a ``HorovodInternalError`` naming
-the bucket, never a silent hang. ``HVDP_GRADIENT_PATH=horovod`` keeps Horovod's path
-throughout (to compare); the path taken is on ``optimizer.gradient_path``.
+A rank that stops sending (it stalled, or crashed) ends the others' wait after the stall
+timeout (:func:`hvdp.backends.torch_direct_calls.timeout_ms`) as a ``HorovodInternalError``
+naming the bucket, with the stall report hvdp run reads, never a silent hang; a rank that left
+its loop early serves the others' remaining steps with zeros (:func:`serve_until_finished`).
+``HVDP_GRADIENT_PATH=horovod`` keeps Horovod's path throughout (to compare); the path taken
+is on ``optimizer.gradient_path``. The direct calls themselves, the small ``hvdp.allreduce``
+and Keras's gradients on the torch backend: :mod:`hvdp.backends.torch_direct_calls`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import os
 import queue
-import sys
 import threading
 import weakref
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
 from hvdp.backends import torch_buckets
+from hvdp.backends.torch_direct_calls import PATH_ENV, DirectAllreduce, chosen_path, report_stall, timeout_ms
 
-#: The environment variable that picks the gradient path: ``direct`` (the default) or ``horovod``.
-PATH_ENV = "HVDP_GRADIENT_PATH"
 #: Learning steps whose plans differed between ranks before the direct path is given up.
 TRIES = 3
 #: The direct allreduce's channel for gradients (a Gloo tag of its own).
 CHANNEL = 1
 
-_DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
 _HUGE = 1 << 40  # a countdown Horovod's hooks never bring to zero
-
-
-def chosen_path() -> str:
-    """``direct`` or ``horovod``, from :data:`PATH_ENV`; anything else is refused with the choices."""
-    value = os.environ.get(PATH_ENV, "direct").strip().lower() or "direct"
-    if value not in ("direct", "horovod"):
-        raise ValueError(f"{PATH_ENV}={value!r}: use 'direct' (the default: buckets allreduced without Horovod's "
-                         f"per-cycle coordination round once the ranks agree) or 'horovod' (Horovod's path).")
-    return value
-
-
-#: The stall timeout when none is set (hvdp run's default, ``--stall-timeout``): how long a direct call waits.
-DEFAULT_TIMEOUT_S = 300
-
-
-def timeout_ms() -> int:
-    """How long a direct call waits for the other ranks: the job's stall timeout (hvdp run sets
-    ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` from ``--stall-timeout``), else :data:`DEFAULT_TIMEOUT_S`.
-
-    Horovod's path waits as long before its stall inspector ends the job: a rank that is merely busy
-    (rank 0 evaluating or saving while the others wait) is given the same time on both paths.
-    """
-    try:
-        seconds = int(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0"))
-    except ValueError:
-        seconds = 0
-    return 1000 * (seconds if seconds > 0 else DEFAULT_TIMEOUT_S)
-
-
-def report_stall(what: str, waited_ms: int) -> None:
-    """On a timed-out direct call: the lines of Horovod's stall report that hvdp run reads (the other ranks
-    never sent ``what``), so the job ends saying which rank stalled, as on Horovod's path."""
-    others = [r for r in range(hvd.size()) if r != hvd.rank()]
-    lines = [f"[hvdp] One or more ranks stalled for {waited_ms // 1000} s in a direct allreduce ({what}). "
-             f"Missing ranks:"] + [f"{r}!: [allreduce.{what}]" for r in others]
-    print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-class DirectAllreduce:
-    """The build's ``horovod_hvdp_direct_allreduce``: a sum-allreduce in place, run by the calling thread."""
-
-    def __init__(self) -> None:
-        self.entry = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_direct_allreduce", None)
-        if self.entry is not None:
-            self.entry.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_longlong, ctypes.c_char_p, ctypes.c_int]
-            self.entry.restype = ctypes.c_int
-
-    def usable(self) -> bool:
-        """Built in, and the job runs on Gloo (MPI jobs keep Horovod's path)."""
-        return self.entry is not None and bool(hvd.gloo_enabled())
-
-    def __call__(self, tensor: torch.Tensor, channel: int) -> None:
-        assert self.entry is not None, "usable() is checked before any call"
-        error = ctypes.create_string_buffer(1024)
-        code = self.entry(tensor.data_ptr(), tensor.numel(), _DTYPES[tensor.dtype], channel, timeout_ms(), error,
-                          len(error))
-        if code == 2:
-            raise HorovodInternalError("hvdp's direct allreduce needs a Gloo job (this one runs on MPI).")
-        if code != 0:
-            raise HorovodInternalError(error.value.decode(errors="replace"))
 
 
 class _Sender(threading.Thread):
@@ -406,91 +342,6 @@ class DirectGradients:
         self.world, self.mode, self.tries = hvd.size(), "direct", 0
 
 
-class DirectGroup:
-    """One update's gradients reduced together (a Keras optimizer's, on Keras's torch backend), by direct calls.
-
-    The first call, and the first after the gradients' dtypes or shapes change, runs on Horovod's
-    path (``horovod_reduce``), and the ranks compare the layout once through Horovod; where every
-    rank has the same, later calls put the gradients end to end in one kept buffer per dtype and
-    allreduce each with one direct Gloo call (Keras gives every trainable variable a gradient, zeros
-    where it has none, so the layout is the variables'). ``counts`` as :class:`DirectGradients`'.
-    """
-
-    def __init__(self, scale: Callable[[], float], joining: Callable[[], bool]) -> None:
-        self.scale, self.joining = scale, joining
-        self.allreduce = DirectAllreduce()
-        self.layout: Optional[Tuple[Tuple[str, Tuple[int, ...]], ...]] = None  # agreed by every rank
-        self.tried: Optional[Tuple[Tuple[str, Tuple[int, ...]], ...]] = None  # compared, not agreed
-        self.buffers: Dict[torch.dtype, torch.Tensor] = {}
-        self.world = hvd.size()
-        self.counts = {"direct": 0, "horovod": 0, "changes": 0}
-
-    def __call__(self, tensors: List[torch.Tensor], horovod_reduce: Callable[[List[Any]], List[Any]]) -> List[Any]:
-        layout = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)
-        if layout == self.layout and not self.joining() and hvd.size() == self.world:
-            return self.direct(tensors)
-        result = horovod_reduce(tensors)
-        self.counts["horovod"] += 1
-        if self.joining() or layout == self.tried:
-            return result
-        if self.layout is not None:
-            self.counts["changes"] += 1
-        usable = self.allreduce.usable() and all(t.dtype in (torch.float32, torch.float64) and t.device.type == "cpu"
-                                                 for t in tensors)
-        digest = zlib.crc32(repr(layout).encode())
-        everyone = hvd.allgather(torch.tensor([[digest, int(usable)]], dtype=torch.int64), name="hvdp.direct.layout")
-        if bool((everyone[:, 0] == digest).all()) and bool(everyone[:, 1].all()):
-            self.layout, self.tried, self.world = layout, None, hvd.size()
-            self.buffers = {}
-            for t in tensors:
-                self.buffers[t.dtype] = torch.empty(0)
-            for dtype in self.buffers:
-                self.buffers[dtype] = torch.empty(sum(t.numel() for t in tensors if t.dtype == dtype), dtype=dtype)
-        else:
-            self.layout, self.tried = None, layout
-        return result
-
-    def direct(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        results: List[Any] = [None] * len(tensors)
-        scale = self.scale()
-        for dtype, flat in self.buffers.items():
-            mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-            offset = 0
-            for i in mine:
-                n = tensors[i].numel()
-                flat[offset:offset + n].copy_(tensors[i].detach().reshape(-1))
-                offset += n
-            try:
-                self.allreduce(flat, CHANNEL)
-            except HorovodInternalError as error:
-                if "imed out" in str(error):
-                    report_stall(f"hvdp.direct.keras_gradients.{dtype}", timeout_ms())
-                raise HorovodInternalError(
-                    f"hvdp's direct gradient allreduce ({dtype}, {flat.numel()} elements) failed: {error}. Another "
-                    f"rank stopped (see its output), or its model's trainable variables changed; {PATH_ENV}=horovod "
-                    f"runs Horovod's path instead.") from error
-            if scale != 1.0:
-                flat.mul_(scale)
-            offset = 0
-            for i in mine:
-                n = tensors[i].numel()
-                results[i] = flat[offset:offset + n].view_as(tensors[i]).clone()
-                offset += n
-        self.counts["direct"] += 1
-        return results
-
-
-def direct_group(plan: Tuple[str, float, float], compression: str, groups: Any, process_set: Any,
-                 joining: Callable[[], bool]) -> Optional[DirectGroup]:
-    """The direct path of a Keras optimizer's gradients on the torch backend, or None (as :func:`direct_gradients`)."""
-    op, prescale, postscale = plan
-    if chosen_path() != "direct" or op not in ("average", "sum") or compression != "none" or groups is not None:
-        return None
-    if process_set is not None and process_set != hvd.global_process_set:
-        return None
-    return DirectGroup(lambda: 1.0 / hvd.size() if op == "average" else prescale * postscale, joining)
-
-
 def direct_gradients(optimizer: Any, named: Optional[List[Tuple[str, torch.nn.Parameter]]],
                      plan: Tuple[str, float, float], compression: str, groups: Any, process_set: Any,
                      sparse: bool, joining: Callable[[], bool]) -> Optional[DirectGradients]:
@@ -510,112 +361,3 @@ def direct_gradients(optimizer: Any, named: Optional[List[Tuple[str, torch.nn.Pa
         return 1.0 / hvd.size() if op == "average" else prescale * postscale
 
     return DirectGradients(optimizer, {p: n for n, p in named or []}, scale, joining)
-
-
-#: The direct exchange's channel for ``hvdp.allreduce`` calls (the caller's thread).
-CALL_CHANNEL = 2
-#: The largest tensor ``hvdp.allreduce`` reduces by a direct exchange (bytes); larger ones take Horovod's
-#: path, whose coordination round is then a small part of the call.
-CALL_MAX_BYTES = 256 << 10
-#: The most processes a direct exchange serves (each rank sends its tensor to every other one).
-CALL_MAX_RANKS = 16
-#: Bytes of the header before each rank's tensor: int64 marker, byte count, signature, and spare.
-_HEADER = 64
-_MARK = 0x68766470  # "hvdp"
-_CALL_DTYPES = {torch.float32, torch.float64, torch.int32, torch.int64}
-
-
-class DirectExchange:
-    """The build's ``horovod_hvdp_direct_exchange``: every rank's message to every rank, by the calling thread.
-
-    Each rank's message (a header and its tensor's bytes) goes to every other rank into a place of
-    :data:`CALL_MAX_BYTES` plus the header; a message may be shorter than its place, so ranks whose
-    tensors differ in size get each other's headers and an error, where a collective on buffers of
-    different sizes would end the process inside Gloo.
-    """
-
-    def __init__(self) -> None:
-        self.entry = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_direct_exchange", None)
-        if self.entry is not None:
-            self.entry.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int,
-                                   ctypes.c_longlong, ctypes.c_char_p, ctypes.c_int]
-            self.entry.restype = ctypes.c_int
-        self.lock = threading.Lock()
-        self.inbox: Optional[torch.Tensor] = None  # every rank's place, kept from call to call
-        # Its NumPy views: (ranks, capacity) bytes, and the headers' first (ranks, 3) int64.
-        self.places: Any = np.empty((0, 0), dtype=np.uint8)
-        self.headers: Any = np.empty((0, 3), dtype=np.int64)
-        self.error = ctypes.create_string_buffer(1024)
-        self.capacity = _HEADER + CALL_MAX_BYTES
-        self.gloo: Optional[bool] = None
-
-    def usable(self) -> bool:
-        if self.gloo is None:  # the controller is fixed for the life of the process
-            self.gloo = bool(hvd.gloo_enabled())
-        return self.entry is not None and self.gloo
-
-    def reduce(self, tensor: torch.Tensor, op: str, name: Optional[str]) -> torch.Tensor:
-        """The sum (or average) of every rank's ``tensor``, summed in rank order: the same on every rank.
-
-        NumPy views of the kept inbox do the packing and the sum: a small call's Python time adds to the
-        exchange's on a busy machine (the other ranks' messages wait for this one's threads), and NumPy's
-        calls on small arrays cost a few microseconds where torch's cost tens.
-        """
-        assert self.entry is not None, "usable() is checked before any call"
-        size, rank = hvd.size(), hvd.rank()
-        values = tensor.reshape(-1).numpy()
-        nbytes = values.nbytes
-        mark = zlib.crc32(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{op}".encode())
-        with self.lock:
-            if self.inbox is None or self.inbox.numel() != size * self.capacity:
-                self.inbox = torch.empty(size * self.capacity, dtype=torch.uint8)
-                self.places = self.inbox.numpy().reshape(size, self.capacity)
-                self.headers = self.places[:, :_HEADER].view(np.int64)[:, :3]
-            self.headers[rank] = (_MARK, nbytes, mark)
-            self.places[rank, _HEADER:_HEADER + nbytes].view(values.dtype)[:] = values
-            code = self.entry(self.inbox.data_ptr(), self.capacity, _HEADER + nbytes, CALL_CHANNEL, timeout_ms(),
-                              self.error, len(self.error))
-            if code == 1 and b"imed out" in self.error.value:
-                report_stall(f"{name or 'unnamed'}", timeout_ms())
-            if code != 0:
-                raise HorovodInternalError(self.error.value.decode(errors="replace") if code == 1 else
-                                           "hvdp's direct exchange needs a Gloo job (this one runs on MPI).")
-            if not (self.headers == self.headers[rank]).all():
-                raise HorovodInternalError(  # "Mismatched", as Horovod says it: hvdp.collectives names each rank's
-                    f"Mismatched allreduce: ranks passed different names, dtypes, shapes or ops to the same call "
-                    f"of hvdp.allreduce ({name or 'unnamed'}: {tensor.dtype} {list(tensor.shape)}, {op} here).")
-            rows = self.places[:, _HEADER:_HEADER + nbytes].view(values.dtype)
-            result = rows[0].copy()
-            for r in range(1, size):
-                result += rows[r]
-        if op == "average":
-            result /= size
-        return torch.from_numpy(result).view(tensor.shape)
-
-
-_EXCHANGE = DirectExchange()
-
-
-def direct_call(tensor: torch.Tensor, op: str, name: Optional[str], whole_job: bool, joining: bool,
-                out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """``hvdp.allreduce`` of a small CPU tensor by one direct exchange (:class:`DirectExchange`), or None
-    where it does not apply.
-
-    Every rank gets every rank's tensor and header (name, dtype, shape, op), checks that they all
-    agree (else an error on every rank at once: "Mismatched", as Horovod says it, which
-    :func:`hvdp.collectives.run` turns into a TensorMismatchError naming each rank's tensor), and
-    sums them in rank order. It applies to sums and averages (floating point for an average) of the
-    whole job's tensors of at most :data:`CALL_MAX_BYTES`, outside ``hvdp.join``, with :data:`PATH_ENV`
-    not ``horovod``, in a Gloo job of 2 to :data:`CALL_MAX_RANKS` processes.
-    """
-    size = hvd.size()
-    if (op not in ("sum", "average") or not whole_job or joining or tensor.device.type != "cpu"
-            or tensor.dtype not in _CALL_DTYPES or (op == "average" and not tensor.dtype.is_floating_point)
-            or tensor.numel() * tensor.element_size() > CALL_MAX_BYTES or not 2 <= size <= CALL_MAX_RANKS
-            or chosen_path() != "direct" or not _EXCHANGE.usable()):
-        return None
-    result = _EXCHANGE.reduce(tensor.detach(), op, name)
-    if out is not None:
-        out.copy_(result)
-        return out
-    return result

@@ -180,7 +180,7 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
     from horovod.torch import mpi_ops
 
     import hvdp
-    from hvdp.backends import torch_direct
+    from hvdp.backends import torch_direct_calls
     from hvdp.bench import breakdown as bd
 
     os.environ["HOROVOD_TIMELINE"] = timeline
@@ -208,7 +208,7 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
 
     hvd.allreduce_async, mpi_ops._allreduce_async = allreduce_async, _allreduce_async
     hvd.synchronize = mpi_ops.synchronize = synchronize
-    exchange = torch_direct._EXCHANGE  # the direct path of small calls: marks around its packing and exchange
+    exchange = torch_direct_calls._EXCHANGE  # the direct path of small calls: marks around its packing and exchange
     reduce, entry = exchange.reduce, exchange.entry
 
     def reduce_marked(*args: Any, **kwargs: Any) -> Any:
@@ -233,11 +233,11 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
         tensors = {v: torch.ones(nbytes // 4) for v in bd.VARIANTS}
         names = {v: f"breakdown.{i}.{nbytes}" for i, v in enumerate(bd.VARIANTS)}
         def horovods_path() -> Any:
-            os.environ[torch_direct.PATH_ENV] = "horovod"
+            os.environ[torch_direct_calls.PATH_ENV] = "horovod"
             try:
                 return hvdp.allreduce(tensors[bd.VARIANTS[1]], op="sum", name=names[bd.VARIANTS[1]])
             finally:
-                del os.environ[torch_direct.PATH_ENV]
+                del os.environ[torch_direct_calls.PATH_ENV]
 
         run = {bd.VARIANTS[0]: lambda: hvdp.allreduce(tensors[bd.VARIANTS[0]], op="sum", name=names[bd.VARIANTS[0]]),
                bd.VARIANTS[1]: horovods_path,

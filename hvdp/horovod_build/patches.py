@@ -3,8 +3,9 @@
 Common to every build: C++17 instead of C++14 (torch >= 2.1 and TensorFlow's absl
 headers need it), two fixes to Horovod's Gloo controller (process sets' Gloo
 contexts use ``HOROVOD_GLOO_IFACE``; the stall inspector sees every rank), Gloo's
-reduce-scatter as one exchange and a local sum (:data:`GLOO_REDUCESCATTER`), and the
-early wake of Horovod's background loop (:data:`EARLY_WAKE`). Each framework's own
+reduce-scatter as one exchange and a local sum (:data:`GLOO_REDUCESCATTER`), the
+early wake of Horovod's background loop (:data:`EARLY_WAKE`), and the direct calls on Horovod's
+Gloo context (:data:`hvdp.horovod_build.direct_patches.DIRECT_ALLREDUCE`). Each framework's own
 changes are in its module (:data:`FRAMEWORK_PATCHES`), taken in the registry's order.
 
 Every patch's text is part of the cache key (:func:`hvdp.horovod_build.cache.patches_digest`),
@@ -17,6 +18,7 @@ from typing import Any, Dict, Tuple
 
 from hvdp.frameworks import SPECS
 from hvdp.horovod_build import tensorflow_patches, torch_patches
+from hvdp.horovod_build.direct_patches import DIRECT_ALLREDUCE
 from hvdp.horovod_build.patch import Patch
 from hvdp.horovod_build.tensorflow_patches import KERAS3_PATCHES
 
@@ -318,143 +320,6 @@ GLOO_REDUCESCATTER: Tuple[Patch, ...] = (
           "    delete[] reinterpret_cast<uint8_t*>(buffer_data);\n",
           "    // hvdp: already in the output\n",
           "a lone tensor's reduce-scatter copied its output out of the temporary buffer"),
-)
-
-
-#: hvdp's direct allreduce (:mod:`hvdp.backends.torch_direct`): a sum-allreduce that the calling thread
-#: runs itself on the whole job's Gloo context, outside the background loop and its rounds. Each
-#: caller names a channel; a channel is a Gloo tag of its own (Horovod's collectives use tag 0), so
-#: calls on different channels, and Horovod's own collectives, may run at the same time, while calls
-#: on one channel must come in the same order on every rank, as torch.distributed's do. A rank that
-#: never makes its call ends the others' with Gloo's timeout (HOROVOD_GLOO_TIMEOUT_SECONDS), and one
-#: whose size differs ends them with Gloo's size error: the message comes back in ``error``, the
-#: return value is 1. Not built into a job on MPI: it then returns 2. ``timeout_ms`` replaces Gloo's
-#: timeout (hvdp passes its stall timeout). ``horovod_hvdp_direct_exchange`` sends this rank's message
-#: to every other rank into places of a fixed capacity: messages of different lengths arrive whole,
-#: where a collective on buffers of different sizes would end the process inside Gloo.
-DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
-    Patch(_OPS, "bool horovod_gloo_built() {\n",
-          "int horovod_hvdp_direct_allreduce(void* data, long long count, int dtype, int channel,\n"
-          "                                  long long timeout_ms, char* error, int error_size) {\n"
-          "  // hvdp: dtype 0 float32, 1 float64, 2 int32, 3 int64; channel 0..65535; timeout_ms <= 0: the\n"
-          "  // context's (HOROVOD_GLOO_TIMEOUT_SECONDS).\n"
-          "#if HAVE_GLOO\n"
-          "  try {\n"
-          "    if (!horovod_global.initialization_done || horovod_global.shut_down) {\n"
-          "      throw std::logic_error(\"Horovod is not running (call hvdp.init() first)\");\n"
-          "    }\n"
-          "    if (horovod_global.control_operation != LibType::GLOO) {\n"
-          "      return 2;\n"
-          "    }\n"
-          "    std::shared_ptr<gloo::Context> ctx =\n"
-          "        horovod_global.process_set_table.Get(0).gloo_context.ctx;\n"
-          "    if (!ctx) {\n"
-          "      throw std::logic_error(\"the job's Gloo context is gone (Horovod shut down)\");\n"
-          "    }\n"
-          "    gloo::AllreduceOptions opts(ctx);\n"
-          "    opts.setTag(0x68760000u + (uint32_t)(channel & 0xffff));\n"
-          "    if (timeout_ms > 0) {\n"
-          "      opts.setTimeout(std::chrono::milliseconds(timeout_ms));\n"
-          "    }\n"
-          "    switch (dtype) {\n"
-          "    case 0:\n"
-          "      opts.setOutput<float>(static_cast<float*>(data), (size_t)count);\n"
-          "      opts.setReduceFunction(gloo::AllreduceOptions::Func(\n"
-          "          (void (*)(void*, const void*, const void*, size_t)) & ::gloo::sum<float>));\n"
-          "      break;\n"
-          "    case 1:\n"
-          "      opts.setOutput<double>(static_cast<double*>(data), (size_t)count);\n"
-          "      opts.setReduceFunction(gloo::AllreduceOptions::Func(\n"
-          "          (void (*)(void*, const void*, const void*, size_t)) & ::gloo::sum<double>));\n"
-          "      break;\n"
-          "    case 2:\n"
-          "      opts.setOutput<int32_t>(static_cast<int32_t*>(data), (size_t)count);\n"
-          "      opts.setReduceFunction(gloo::AllreduceOptions::Func(\n"
-          "          (void (*)(void*, const void*, const void*, size_t)) & ::gloo::sum<int32_t>));\n"
-          "      break;\n"
-          "    case 3:\n"
-          "      opts.setOutput<int64_t>(static_cast<int64_t*>(data), (size_t)count);\n"
-          "      opts.setReduceFunction(gloo::AllreduceOptions::Func(\n"
-          "          (void (*)(void*, const void*, const void*, size_t)) & ::gloo::sum<int64_t>));\n"
-          "      break;\n"
-          "    default:\n"
-          "      throw std::logic_error(\"dtype \" + std::to_string(dtype) + \" is not one of 0-3\");\n"
-          "    }\n"
-          "    gloo::allreduce(opts);\n"
-          "    return 0;\n"
-          "  } catch (const std::exception& e) {\n"
-          "    std::snprintf(error, (size_t)error_size, \"%s\", e.what());\n"
-          "    return 1;\n"
-          "  }\n"
-          "#else\n"
-          "  return 2;\n"
-          "#endif\n"
-          "}\n"
-          "\n"
-          "int horovod_hvdp_direct_exchange(void* inbox, long long capacity, long long bytes, int channel,\n"
-          "                                 long long timeout_ms, char* error, int error_size) {\n"
-          "  // hvdp: this rank's message (bytes, at inbox + rank * capacity) to every other rank; rank r's\n"
-          "  // lands at inbox + r * capacity. A message may be shorter than capacity, never longer.\n"
-          "#if HAVE_GLOO\n"
-          "  try {\n"
-          "    if (!horovod_global.initialization_done || horovod_global.shut_down) {\n"
-          "      throw std::logic_error(\"Horovod is not running (call hvdp.init() first)\");\n"
-          "    }\n"
-          "    if (horovod_global.control_operation != LibType::GLOO) {\n"
-          "      return 2;\n"
-          "    }\n"
-          "    std::shared_ptr<gloo::Context> ctx =\n"
-          "        horovod_global.process_set_table.Get(0).gloo_context.ctx;\n"
-          "    if (!ctx) {\n"
-          "      throw std::logic_error(\"the job's Gloo context is gone (Horovod shut down)\");\n"
-          "    }\n"
-          "    if (bytes > capacity) {\n"
-          "      throw std::logic_error(\"the message is longer than a rank's place in the inbox\");\n"
-          "    }\n"
-          "    const int size = ctx->size;\n"
-          "    const int rank = ctx->rank;\n"
-          "    uint8_t* base = static_cast<uint8_t*>(inbox);\n"
-          "    auto all = ctx->createUnboundBuffer(base, (size_t)capacity * (size_t)size);\n"
-          "    const uint64_t slot = gloo::Slot::build(0x68, 0x68760000u + (uint32_t)(channel & 0xffff));\n"
-          "    for (int r = 0; r < size; ++r) {\n"
-          "      if (r != rank) {\n"
-          "        all->recv(r, slot, (size_t)r * (size_t)capacity, (size_t)capacity);\n"
-          "        all->send(r, slot, (size_t)rank * (size_t)capacity, (size_t)bytes);\n"
-          "      }\n"
-          "    }\n"
-          "    const std::chrono::milliseconds timeout =\n"
-          "        timeout_ms > 0 ? std::chrono::milliseconds(timeout_ms) : ctx->getTimeout();\n"
-          "    for (int r = 1; r < size; ++r) {\n"
-          "      all->waitRecv(timeout);\n"
-          "      all->waitSend(timeout);\n"
-          "    }\n"
-          "    return 0;\n"
-          "  } catch (const std::exception& e) {\n"
-          "    std::snprintf(error, (size_t)error_size, \"%s\", e.what());\n"
-          "    return 1;\n"
-          "  }\n"
-          "#else\n"
-          "  return 2;\n"
-          "#endif\n"
-          "}\n"
-          "\n"
-          "bool horovod_gloo_built() {\n",
-          "the direct allreduce and exchange, run by their caller on the job's Gloo context"),
-    Patch(_OPS, '#include "gloo/gloo_controller.h"\n',
-          '#include "gloo/gloo_controller.h"\n#include "gloo/allreduce.h"\n#include "gloo/math.h"\n'
-          '#include "gloo/transport/unbound_buffer.h"\n',
-          "Gloo's allreduce for the direct allreduce"),
-    Patch("horovod/common/operations.h", "bool horovod_gloo_built();\n",
-          "bool horovod_gloo_built();\n\n"
-          "// hvdp: sum-allreduce of data in place by the calling thread on the job's Gloo context (0 done,\n"
-          "// 1 failed with the reason in error, 2 not a Gloo job).\n"
-          "int horovod_hvdp_direct_allreduce(void* data, long long count, int dtype, int channel,\n"
-          "                                  long long timeout_ms, char* error, int error_size);\n"
-          "\n"
-          "// hvdp: every rank's message to every rank (rank r's at inbox + r * capacity; 0, 1, 2 as above).\n"
-          "int horovod_hvdp_direct_exchange(void* inbox, long long capacity, long long bytes, int channel,\n"
-          "                                 long long timeout_ms, char* error, int error_size);\n",
-          "the direct allreduce's declaration, exported like Horovod's own C interface"),
 )
 
 
