@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
 import numpy as np
@@ -177,7 +178,11 @@ class State:
 
     def on_reset(self) -> None:
         """Called by :func:`run` once Horovod has restarted on the new set of workers (before the sync):
-        drops stale host updates and runs the reset callbacks."""
+        drops stale host updates and runs the reset callbacks. torch's direct gradient paths learn again
+        (the workers that joined start learning; those that survived must meet them on Horovod's path)."""
+        direct = sys.modules.get("hvdp.backends.torch_direct")  # loaded only on torch
+        if direct is not None:
+            direct.relearn_all()
         self._hosts.on_reset()
 
     def on_hosts_updated(self, timestamp: int, update_res: Any) -> None:

@@ -45,7 +45,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from hvdp.backends import torch_buckets
+from hvdp.backends import torch_buckets, torch_direct_calls
 from hvdp.backends.torch_direct_calls import PATH_ENV, DirectAllreduce, chosen_path, report_stall, timeout_ms
 
 #: Learning steps whose plans differed between ranks before the direct path is given up.
@@ -132,6 +132,15 @@ def serve_until_finished() -> None:
     on_it = [path for path in _PATHS if path.mode == "direct"]
     if len(on_it) == 1:
         on_it[0].serve_until_finished()
+
+
+def relearn_all() -> None:
+    """After an elastic job's reset (hvdp.elastic): every direct path learns again on Horovod's path, so
+    that the workers that survived and those that joined take the direct path together."""
+    for path in list(_PATHS):
+        path.relearn()
+    for group in list(torch_direct_calls.GROUPS):
+        group.layout = group.tried = None
 
 
 class DirectGradients:
@@ -232,7 +241,10 @@ class DirectGradients:
             result = horovod_synchronize()
             self.counts["horovod"] += 1
             if self.mode == "learn" and self.order:
-                self.learnt()
+                if self.joining():  # inside hvdp.join a rank may have joined: no allgather then; learn later
+                    self.order, self.recorded = [], set()
+                else:
+                    self.learnt()
             return result
 
         return synchronize

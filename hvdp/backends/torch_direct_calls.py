@@ -14,6 +14,7 @@ import ctypes
 import os
 import sys
 import threading
+import weakref
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -199,6 +200,10 @@ def direct_call(tensor: torch.Tensor, op: str, name: Optional[str], whole_job: b
     return result
 
 
+#: Every live DirectGroup (an elastic reset makes each learn again: hvdp.backends.torch_direct.relearn_all).
+GROUPS: "weakref.WeakSet[DirectGroup]" = weakref.WeakSet()
+
+
 class DirectGroup:
     """One update's gradients reduced together (a Keras optimizer's, on Keras's torch backend), by direct calls.
 
@@ -217,6 +222,7 @@ class DirectGroup:
         self.buffers: Dict[torch.dtype, torch.Tensor] = {}
         self.world = hvd.size()
         self.counts = {"direct": 0, "horovod": 0, "changes": 0}
+        GROUPS.add(self)
 
     def __call__(self, tensors: List[torch.Tensor], horovod_reduce: Callable[[List[Any]], List[Any]]) -> List[Any]:
         layout = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)
