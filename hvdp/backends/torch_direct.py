@@ -266,14 +266,15 @@ class DirectGradients:
         changed, finished = (int(v) for v in self.buckets[-1].flat[-2:].tolist())
         scale = self.scale()
         for bucket in self.buckets:
-            if scale != 1.0:
-                bucket.flat.mul_(scale)
             for i, p in enumerate(bucket.params):
-                # Copied out, as Horovod's path leaves .grad (a view of the bucket would save the copy, but a
-                # .grad kept from an earlier step would then change under its holder at the next backward).
+                # Scaled on the way out, in one pass (as Horovod's path leaves .grad: its own tensor; a view of the
+                # bucket would save the pass, but a .grad kept from an earlier step would then change under its
+                # holder at the next backward).
                 reduced = bucket.view(i).view_as(p)
                 if p.grad is None:
-                    p.grad = reduced.clone(memory_format=torch.preserve_format)
+                    p.grad = reduced * scale if scale != 1.0 else reduced.clone(memory_format=torch.preserve_format)
+                elif scale != 1.0:
+                    torch.mul(reduced, scale, out=p.grad)
                 else:
                     p.grad.copy_(reduced)
         self.optimizer._handles.clear()
