@@ -66,15 +66,21 @@ def report_stall(what: str, waited_ms: int) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
+def entry(name: str, *middle: Any) -> Any:
+    """The build's C entry ``name`` (None in a build without it): a pointer, ``middle``, then the timeout in
+    ms, the error buffer and its size, returning an int (0 done, 1 failed, 2 not a Gloo job)."""
+    found = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, name, None)
+    if found is not None:
+        found.argtypes = [ctypes.c_void_p, *middle, ctypes.c_longlong, ctypes.c_char_p, ctypes.c_int]
+        found.restype = ctypes.c_int
+    return found
+
+
 class DirectAllreduce:
     """The build's ``horovod_hvdp_direct_allreduce``: a sum-allreduce in place, run by the calling thread."""
 
     def __init__(self) -> None:
-        self.entry = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_direct_allreduce", None)
-        if self.entry is not None:
-            self.entry.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_longlong, ctypes.c_char_p, ctypes.c_int]
-            self.entry.restype = ctypes.c_int
+        self.entry = entry("horovod_hvdp_direct_allreduce", ctypes.c_longlong, ctypes.c_int, ctypes.c_int)
 
     def usable(self) -> bool:
         """Built in, and the job runs on Gloo (MPI jobs keep Horovod's path)."""
@@ -114,11 +120,7 @@ class DirectExchange:
     """
 
     def __init__(self) -> None:
-        self.entry = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_direct_exchange", None)
-        if self.entry is not None:
-            self.entry.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int,
-                                   ctypes.c_longlong, ctypes.c_char_p, ctypes.c_int]
-            self.entry.restype = ctypes.c_int
+        self.entry = entry("horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int)
         self.lock = threading.Lock()
         self.inbox: Optional[torch.Tensor] = None  # every rank's place, kept from call to call
         # Its NumPy views: (ranks, capacity) bytes, and the headers' first (ranks, 3) int64.

@@ -217,7 +217,7 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
 
     def entry_marked(*args: Any) -> Any:
         current["enqueue"] = current["enqueued"] = now()
-        code = entry(*args)  # type: ignore[misc]  # set: the build has it (else no call is direct)
+        code = entry(*args)  # set: the build has it (else no call is direct)
         current["done"] = now()
         return code
 
