@@ -38,7 +38,6 @@ import gc
 import queue
 import threading
 import weakref
-import zlib
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import horovod.torch as hvd
@@ -46,7 +45,15 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 
 from hvdp.backends import torch_buckets, torch_direct_calls
-from hvdp.backends.torch_direct_calls import PATH_ENV, DirectAllreduce, chosen_path, report_stall, timeout_ms
+from hvdp.backends.torch_direct_calls import (
+    PATH_ENV,
+    DirectAllreduce,
+    agreed,
+    report_stall,
+    scale_if_direct,
+    timeout_ms,
+    usable_for,
+)
 
 #: Learning steps whose plans differed between ranks before the direct path is given up.
 TRIES = 3
@@ -333,20 +340,16 @@ class DirectGradients:
         """After a learning step on Horovod's path: cut the buckets, and take the direct path if every rank agrees."""
         order = self.order + [p for p in self.params if p not in self.recorded]
         self.order, self.recorded = [], set()
-        usable = self.allreduce.usable() and all(p.dtype in (torch.float32, torch.float64) and p.device.type == "cpu"
-                                                 for p in order)
+        usable = usable_for(self.allreduce, order)
         groups: List[List[torch.nn.Parameter]] = []
         for dtype in (torch.float32, torch.float64):
             ours = [p for p in reversed(order) if p.dtype == dtype]  # plan() counts from the end
             if ours:
                 cut = torch_buckets.plan([[p.numel() for p in ours]])
                 groups.extend([ours[i] for i in reversed(bucket.params)] for bucket in reversed(cut))
-        digest = zlib.crc32(repr([(self.index[p], tuple(p.shape), str(p.dtype)) for g in groups for p in g]).encode())
-        mine = torch.tensor([digest, int(usable)], dtype=torch.int64)
-        everyone = hvd.allgather(mine.view(1, 2), name="hvdp.direct.plan")
-        agreed = bool((everyone[:, 0] == digest).all()) and bool(everyone[:, 1].all())
+        text = repr([(self.index[p], tuple(p.shape), str(p.dtype)) for g in groups for p in g])
         self.tries += 1
-        if not agreed:
+        if not agreed(text, usable, "hvdp.direct.plan"):
             if not usable or self.tries >= TRIES:
                 self.mode = "horovod"
             return
@@ -364,13 +367,7 @@ def direct_gradients(optimizer: Any, named: Optional[List[Tuple[str, torch.nn.Pa
     groups, when :data:`PATH_ENV` is not ``horovod``; the dtype and the controller (Gloo) are
     checked when the plan is made.
     """
-    op, prescale, postscale = plan  # base.reduction_plan's
-    if chosen_path() != "direct" or op not in ("average", "sum") or compression != "none" or groups is not None:
+    scale = scale_if_direct(plan, compression, groups, process_set)
+    if scale is None or sparse:
         return None
-    if sparse or (process_set is not None and process_set != hvd.global_process_set):
-        return None
-
-    def scale() -> float:  # the sum's factor: the world's size is read at each step (an elastic job's changes)
-        return 1.0 / hvd.size() if op == "average" else prescale * postscale
-
     return DirectGradients(optimizer, {p: n for n, p in named or []}, scale, joining)

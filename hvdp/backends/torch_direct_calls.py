@@ -202,6 +202,33 @@ def direct_call(tensor: torch.Tensor, op: str, name: Optional[str], whole_job: b
     return result
 
 
+def usable_for(allreduce: "DirectAllreduce", tensors: Any) -> bool:
+    """Whether ``allreduce`` can reduce ``tensors`` directly: a Gloo job, dense float32/float64 CPU tensors."""
+    return allreduce.usable() and all(t.dtype in (torch.float32, torch.float64) and t.device.type == "cpu"
+                                      for t in tensors)
+
+
+def agreed(text: str, usable: bool, name: str) -> bool:
+    """Whether every rank has the same ``text`` (a plan or layout, compared by digest) and can use it: one
+    allgather through Horovod, so every rank reaches the same answer."""
+    digest = zlib.crc32(text.encode())
+    everyone = hvd.allgather(torch.tensor([[digest, int(usable)]], dtype=torch.int64), name=name)
+    return bool((everyone[:, 0] == digest).all()) and bool(everyone[:, 1].all())
+
+
+def scale_if_direct(plan: Tuple[str, float, float], compression: str, groups: Any,
+                    process_set: Any) -> Optional[Callable[[], float]]:
+    """The factor a direct path multiplies the sum by (read at each step: an elastic job's size changes), or
+    None where no direct path applies: another op than average or sum, compression, groups, a process set,
+    or :data:`PATH_ENV` set to ``horovod``. ``plan`` is :func:`hvdp.backends.base.reduction_plan`'s."""
+    op, prescale, postscale = plan
+    if chosen_path() != "direct" or op not in ("average", "sum") or compression != "none" or groups is not None:
+        return None
+    if process_set is not None and process_set != hvd.global_process_set:
+        return None
+    return lambda: 1.0 / hvd.size() if op == "average" else prescale * postscale
+
+
 #: Every live DirectGroup (an elastic reset makes each learn again: hvdp.backends.torch_direct.relearn_all).
 GROUPS: "weakref.WeakSet[DirectGroup]" = weakref.WeakSet()
 
@@ -236,11 +263,7 @@ class DirectGroup:
             return result
         if self.layout is not None:
             self.counts["changes"] += 1
-        usable = self.allreduce.usable() and all(t.dtype in (torch.float32, torch.float64) and t.device.type == "cpu"
-                                                 for t in tensors)
-        digest = zlib.crc32(repr(layout).encode())
-        everyone = hvd.allgather(torch.tensor([[digest, int(usable)]], dtype=torch.int64), name="hvdp.direct.layout")
-        if bool((everyone[:, 0] == digest).all()) and bool(everyone[:, 1].all()):
+        if agreed(repr(layout), usable_for(self.allreduce, tensors), "hvdp.direct.layout"):
             self.layout, self.tried, self.world = layout, None, hvd.size()
             self.buffers = {}
             for t in tensors:
@@ -284,9 +307,5 @@ class DirectGroup:
 def direct_group(plan: Tuple[str, float, float], compression: str, groups: Any, process_set: Any,
                  joining: Callable[[], bool]) -> Optional[DirectGroup]:
     """The direct path of a Keras optimizer's gradients on the torch backend, or None (as :func:`direct_gradients`)."""
-    op, prescale, postscale = plan
-    if chosen_path() != "direct" or op not in ("average", "sum") or compression != "none" or groups is not None:
-        return None
-    if process_set is not None and process_set != hvd.global_process_set:
-        return None
-    return DirectGroup(lambda: 1.0 / hvd.size() if op == "average" else prescale * postscale, joining)
+    scale = scale_if_direct(plan, compression, groups, process_set)
+    return None if scale is None else DirectGroup(scale, joining)
