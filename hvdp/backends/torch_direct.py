@@ -7,11 +7,13 @@ says what is known already. This path skips it:
 
 1. **Learning.** The first step runs on Horovod's path while each rank records the order
    in which its gradients became ready. From that order each rank cuts fixed buckets
-   (:func:`hvdp.backends.torch_buckets.plan`'s sizes: the first about 1 MiB, the others
-   about 16 MiB), and the ranks compare their plans once, through Horovod (an allgather of
+   (:func:`cut`: a gradient of :data:`IN_PLACE` elements or more alone, reduced in its own
+   ``.grad``; the others gathered, the first bucket about 1 MiB, the next about 16 MiB), and
+   the ranks compare their plans once, through Horovod (an allgather of
    the plan's digest). Equal plans everywhere switch every rank to the direct path at the
    same step; unequal ones keep Horovod's path (retried at most :data:`TRIES` times).
-2. **Direct steps.** A gradient's hook copies it into its bucket; a full bucket, once all
+2. **Direct steps.** A small gradient's hook copies it into its bucket (a large one's bucket
+   is the gradient itself); a full bucket, once all
    the buckets before it have gone, is handed to a sender thread, which allreduces it with
    ``horovod_hvdp_direct_allreduce`` (:data:`hvdp.horovod_build.patches.DIRECT_ALLREDUCE`) on
    Horovod's own Gloo context, while backward goes on. At the end of the backward pass the
@@ -35,7 +37,6 @@ and Keras's gradients on the torch backend: :mod:`hvdp.backends.torch_direct_cal
 from __future__ import annotations
 
 import gc
-import queue
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -51,78 +52,79 @@ from hvdp.backends.torch_direct_calls import (
     agreed,
     report_stall,
     scale_if_direct,
+    sender,
     timeout_ms,
     usable_for,
 )
 
 #: Learning steps whose plans differed between ranks before the direct path is given up.
 TRIES = 3
-#: The direct allreduce's channel for gradients (a Gloo tag of its own).
-CHANNEL = 1
+#: Elements from which a gradient is allreduced in place, in its own ``.grad`` (1 MiB of float32): no copy
+#: into a bucket and back, at the cost of one call of its own. Read when the plan is made (a test may lower it).
+IN_PLACE = 1 << 18
 
 _HUGE = 1 << 40  # a countdown Horovod's hooks never bring to zero
 
 
-class _Sender(threading.Thread):
-    """The thread that allreduces the buckets handed to it, in order (the GIL is free during each call).
+class _Bucket:
+    """One bucket of the plan: its parameters, their places in its buffer, the buffer.
 
-    One for the process (:func:`sender`): every optimizer's buckets go through it in the order their
-    hooks handed them over, which is the same on every rank (two optimizers over one backward pass
-    fill their buckets in autograd's order); two threads on one channel could send them in either order.
+    An ``in_place`` bucket holds one large parameter and no buffer of its own: ``flat`` is that pass's
+    ``.grad`` (flattened), set by the hook, and the allreduce writes the sum into the gradient itself.
     """
 
-    def __init__(self, allreduce: DirectAllreduce) -> None:
-        super().__init__(name="hvdp-direct-allreduce", daemon=True)
-        self.allreduce = allreduce
-        self.jobs: "queue.SimpleQueue[Optional[Tuple[torch.Tensor, threading.Event, List[str]]]]" = queue.SimpleQueue()
-
-    failed = False  # a call failed: the jobs queued behind it are not run (the step is lost anyway)
-
-    def run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            flat, done, errors = job
-            try:
-                if self.failed:
-                    errors.append("not sent: an earlier bucket's allreduce failed")
-                else:
-                    self.allreduce(flat, CHANNEL)
-            except Exception as error:  # handed to the waiting step, which raises it
-                self.failed = True
-                errors.append(str(error))
-            finally:
-                done.set()
-
-
-_SENDER: List[_Sender] = []
-
-
-def sender(allreduce: DirectAllreduce) -> _Sender:
-    """The process's sender thread, started anew after a failed call (the jobs queued behind it were dropped)."""
-    if not _SENDER or not _SENDER[0].is_alive() or _SENDER[0].failed:
-        _SENDER[:] = [_Sender(allreduce)]
-        _SENDER[0].start()
-    return _SENDER[0]
-
-
-class _Bucket:
-    """One bucket of the plan: its parameters, their places in its buffer, the buffer."""
-
-    def __init__(self, params: List[torch.nn.Parameter], extra: int) -> None:
-        self.params = params
+    def __init__(self, params: List[torch.nn.Parameter], extra: int, in_place: bool = False,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        self.params, self.in_place = params, in_place
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.flat = torch.zeros(self.offsets[-1] + extra, dtype=params[0].dtype)
+        self.flat: Optional[torch.Tensor] = None if in_place else torch.zeros(
+            self.offsets[-1] + extra, dtype=params[0].dtype if params else dtype)
+        #: A gathered bucket's parameters' places, shaped like them (one copy in, one out, for all of them).
+        self.shaped = [] if in_place else [self.view(i).view_as(p) for i, p in enumerate(params)]
         self.filled = [False] * len(params)
         self.count = 0
         self.done = threading.Event()
         self.errors: List[str] = []
 
+    def whole(self) -> torch.Tensor:
+        assert self.flat is not None  # a gathered bucket's buffer, or an in-place one's gradient once taken
+        return self.flat
+
     def view(self, i: int) -> torch.Tensor:
-        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+        return self.whole()[self.offsets[i]:self.offsets[i + 1]]
+
+    def take(self, param: torch.nn.Parameter, grad: Optional[torch.Tensor]) -> None:
+        """An in-place bucket's gradient for this pass (zeros when the pass gave it none)."""
+        if grad is None:
+            grad = param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        elif grad.is_sparse or not grad.is_contiguous():  # a flat view needs one dense, row-major tensor
+            grad = param.grad = (grad.to_dense() if grad.is_sparse else grad).contiguous()
+        self.flat = grad.view(-1)
+
+
+def cut(order: List[torch.nn.Parameter], big: int) -> List[Tuple[List[torch.nn.Parameter], bool]]:
+    """The buckets, in the order they fill when gradients come in ``order``: each parameter of ``big`` elements
+    or more alone (in place), the others gathered per dtype (the first bucket of a dtype about
+    :data:`torch_buckets.FIRST` elements, the next about :data:`torch_buckets.BUCKET`). The last bucket is
+    always a gathered one (it carries the pass's counts; :meth:`DirectGradients.finish`)."""
+    buckets: List[Tuple[List[torch.nn.Parameter], bool]] = []
+    gathering: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+    cap = {dtype: torch_buckets.FIRST for dtype in (torch.float32, torch.float64)}
+    for p in order:
+        if p.numel() >= big:
+            buckets.append(([p], True))
+            continue
+        ours = gathering.setdefault(p.dtype, [])
+        ours.append(p)
+        if sum(q.numel() for q in ours) >= cap[p.dtype]:
+            buckets.append((gathering.pop(p.dtype), False))
+            cap[p.dtype] = torch_buckets.BUCKET
+    buckets.extend((ours, False) for ours in gathering.values())
+    if not buckets or buckets[-1][1]:
+        buckets.append(([], False))  # the counts alone
+    return buckets
 
 
 #: Every live optimizer's direct path (:func:`serve_until_finished` looks for those still on it).
@@ -194,18 +196,18 @@ class DirectGradients:
 
     def hook(self, param: torch.nn.Parameter) -> None:
         self.pass_started()  # this hook runs before the accumulator's own hooks: queue the end callback first
-        if not self.final_pass():
-            return
-        if self.mode == "learn":
-            if param not in self.recorded:
-                self.order.append(param)
-                self.recorded.add(param)
-            return
-        if not self.on_direct_path():
-            return
-        self.optimizer._allreduce_delay[param] = _HUGE  # before Horovod's hook (it runs after this one)
-        if not self.active:
+        if not self.active:  # the pass's first gradient (a direct pass, once started, checks nothing more)
+            if not self.final_pass():
+                return
+            if self.mode == "learn":
+                if param not in self.recorded:
+                    self.order.append(param)
+                    self.recorded.add(param)
+                return
+            if not self.on_direct_path():
+                return
             self.start_pass()
+        self.optimizer._allreduce_delay[param] = _HUGE  # before Horovod's hook (it runs after this one)
         b, i = self.where[param]
         bucket = self.buckets[b]
         if b < self.issued:
@@ -213,9 +215,10 @@ class DirectGradients:
             return
         grad = param.grad
         assert grad is not None  # this hook runs once it is accumulated
-        view = bucket.view(i)
-        if grad.is_sparse or grad.data_ptr() != view.data_ptr():  # else .grad is this view already: accumulated in it
-            view.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
+        if bucket.in_place:
+            bucket.take(param, grad)
+        elif grad.is_sparse:  # now; the dense ones are copied in together once the bucket is full
+            bucket.shaped[i].copy_(grad.to_dense())
         if not bucket.filled[i]:
             bucket.filled[i] = True
             bucket.count += 1
@@ -229,12 +232,22 @@ class DirectGradients:
             bucket.filled = [False] * len(bucket.params)
             bucket.count = 0
             bucket.errors = []
-        self.buckets[-1].flat[-2:] = 0
+            if bucket.in_place:
+                bucket.flat = None
+        self.buckets[-1].whole()[-2:] = 0
 
     def send(self, b: int) -> None:
         bucket = self.buckets[b]
+        if not bucket.in_place:  # the gradients it got (dense: a sparse one is in already), in one call
+            places, grads = [], []
+            for place, p, filled in zip(bucket.shaped, bucket.params, bucket.filled):
+                if filled and p.grad is not None and not p.grad.is_sparse:
+                    places.append(place)
+                    grads.append(p.grad)
+            if places:
+                torch._foreach_copy_(places, grads)
         bucket.done.clear()
-        sender(self.allreduce).jobs.put((bucket.flat, bucket.done, bucket.errors))
+        sender(self.allreduce).jobs.put((bucket.whole(), bucket.done, bucket.errors))
         self.issued = b + 1
 
     # -- the step ------------------------------------------------------------------------------
@@ -262,28 +275,37 @@ class DirectGradients:
         for bucket in self.buckets[self.issued:]:
             for i, filled in enumerate(bucket.filled):
                 if not filled:
-                    bucket.view(i).zero_()
+                    if bucket.in_place:  # zeros, as Horovod's path sends for a parameter without a gradient
+                        bucket.take(bucket.params[0], None if bucket.params[0].grad is None else
+                                    bucket.params[0].grad.zero_())
+                    else:
+                        bucket.view(i).zero_()
                     missing += 1
         if self.issued < len(self.buckets):
-            self.buckets[-1].flat[-2] = missing
+            self.buckets[-1].whole()[-2] = missing
             for b in range(self.issued, len(self.buckets)):
                 self.send(b)
         self.active = False
         self.wait("gradients")
-        changed, finished = (int(v) for v in self.buckets[-1].flat[-2:].tolist())
+        changed, finished = (int(v) for v in self.buckets[-1].whole()[-2:].tolist())
         scale = self.scale()
         for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
-                # Scaled on the way out, in one pass (as Horovod's path leaves .grad: its own tensor; a view of the
-                # bucket would save the pass, but a .grad kept from an earlier step would then change under its
-                # holder at the next backward).
-                reduced = bucket.view(i).view_as(p)
-                if p.grad is None:
-                    p.grad = reduced * scale if scale != 1.0 else reduced.clone(memory_format=torch.preserve_format)
-                elif scale != 1.0:
-                    torch.mul(reduced, scale, out=p.grad)
-                else:
-                    p.grad.copy_(reduced)
+            if bucket.in_place:  # the sum is in .grad already
+                if scale != 1.0:
+                    bucket.whole().mul_(scale)  # .grad's own memory
+                bucket.flat = None
+                continue
+            # Copied out into each .grad, as Horovod's path leaves .grad: its own tensor (a view of the bucket
+            # would save the copy, but a .grad kept from an earlier step would then change under its holder at
+            # the next backward). The bucket is scaled first: two calls for all its parameters.
+            if scale != 1.0:
+                bucket.whole().mul_(scale)
+            grads = []
+            for p, place in zip(bucket.params, bucket.shaped):
+                if p.grad is None or p.grad.is_sparse:
+                    p.grad = place.clone()
+                grads.append(p.grad)
+            torch._foreach_copy_(grads, bucket.shaped)
         self.optimizer._handles.clear()
         self.counts["direct"] += 1
         if self.late is not None:
@@ -318,16 +340,21 @@ class DirectGradients:
         bucket's last element). Horovod's join does this for Horovod's path."""
         if self.mode != "direct" or not self.buckets or hvd.size() != self.world:
             return
+        zeros = {b: torch.zeros(bucket.offsets[-1], dtype=bucket.params[0].dtype)
+                 for b, bucket in enumerate(self.buckets) if bucket.in_place}
         while True:
             self.start_pass()
-            for bucket in self.buckets:
-                bucket.flat.zero_()
-            self.buckets[-1].flat[-1] = 1
+            for b, bucket in enumerate(self.buckets):
+                if bucket.in_place:
+                    bucket.flat = zeros[b].zero_()
+                else:
+                    bucket.whole().zero_()
+            self.buckets[-1].whole()[-1] = 1
             for b in range(len(self.buckets)):
                 self.send(b)
             self.active = False
             self.wait("gradients (a rank that left its loop)")
-            if int(self.buckets[-1].flat[-1].item()) >= hvd.size():
+            if int(self.buckets[-1].whole()[-1].item()) >= hvd.size():
                 break
         self.mode = "horovod"  # the loop is over on every rank
 
@@ -341,19 +368,17 @@ class DirectGradients:
         order = self.order + [p for p in self.params if p not in self.recorded]
         self.order, self.recorded = [], set()
         usable = usable_for(self.allreduce, order)
-        groups: List[List[torch.nn.Parameter]] = []
-        for dtype in (torch.float32, torch.float64):
-            ours = [p for p in reversed(order) if p.dtype == dtype]  # plan() counts from the end
-            if ours:
-                cut = torch_buckets.plan([[p.numel() for p in ours]])
-                groups.extend([ours[i] for i in reversed(bucket.params)] for bucket in reversed(cut))
-        text = repr([(self.index[p], tuple(p.shape), str(p.dtype)) for g in groups for p in g])
+        buckets = cut(order, IN_PLACE) if usable else []
+        text = repr([([(self.index[p], tuple(p.shape), str(p.dtype)) for p in ours], in_place)
+                     for ours, in_place in buckets])
         self.tries += 1
         if not agreed(text, usable, "hvdp.direct.plan"):
             if not usable or self.tries >= TRIES:
                 self.mode = "horovod"
             return
-        self.buckets = [_Bucket(g, extra=0) for g in groups[:-1]] + [_Bucket(groups[-1], extra=2)]
+        dtype = order[0].dtype if order else torch.float32
+        self.buckets = [_Bucket(ours, extra=2 if b == len(buckets) - 1 else 0, in_place=in_place, dtype=dtype)
+                        for b, (ours, in_place) in enumerate(buckets)]
         self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.world, self.mode, self.tries = hvd.size(), "direct", 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import sys
 import threading
 import weakref
@@ -26,6 +27,8 @@ from horovod.common.exceptions import HorovodInternalError
 #: The environment variable that picks the gradient path: ``direct`` (the default) or ``horovod``.
 PATH_ENV = "HVDP_GRADIENT_PATH"
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
+#: The direct allreduce's channel for a torch optimizer's gradients (:class:`_Sender`; a Gloo tag of its own).
+GRADIENT_CHANNEL = 1
 #: The direct allreduce's channel for a Keras optimizer's gradients (:class:`DirectGroup`).
 GROUP_CHANNEL = 3
 
@@ -95,6 +98,50 @@ class DirectAllreduce:
             raise HorovodInternalError("hvdp's direct allreduce needs a Gloo job (this one runs on MPI).")
         if code != 0:
             raise HorovodInternalError(error.value.decode(errors="replace"))
+
+
+class _Sender(threading.Thread):
+    """The thread that allreduces the buckets handed to it, in order (the GIL is free during each call).
+
+    One for the process (:func:`sender`): every optimizer's buckets go through it in the order their
+    hooks handed them over, which is the same on every rank (two optimizers over one backward pass
+    fill their buckets in autograd's order); two threads on one channel could send them in either order.
+    """
+
+    def __init__(self, allreduce: DirectAllreduce) -> None:
+        super().__init__(name="hvdp-direct-allreduce", daemon=True)
+        self.allreduce = allreduce
+        self.jobs: "queue.SimpleQueue[Optional[Tuple[torch.Tensor, threading.Event, List[str]]]]" = queue.SimpleQueue()
+
+    failed = False  # a call failed: the jobs queued behind it are not run (the step is lost anyway)
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            flat, done, errors = job
+            try:
+                if self.failed:
+                    errors.append("not sent: an earlier bucket's allreduce failed")
+                else:
+                    self.allreduce(flat, GRADIENT_CHANNEL)
+            except Exception as error:  # handed to the waiting step, which raises it
+                self.failed = True
+                errors.append(str(error))
+            finally:
+                done.set()
+
+
+_SENDER: List[_Sender] = []
+
+
+def sender(allreduce: DirectAllreduce) -> _Sender:
+    """The process's sender thread, started anew after a failed call (the jobs queued behind it were dropped)."""
+    if not _SENDER or not _SENDER[0].is_alive() or _SENDER[0].failed:
+        _SENDER[:] = [_Sender(allreduce)]
+        _SENDER[0].start()
+    return _SENDER[0]
 
 
 #: The direct exchange's channel for ``hvdp.allreduce`` calls (the caller's thread).

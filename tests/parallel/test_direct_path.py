@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 from harness import max_abs_diff, run_worker
 
-CASES = ("average", "sum", "predivide", "two passes", "no_sync", "graph change")
+CASES = ("average", "sum", "predivide", "two passes", "no_sync", "graph change", "in place", "in place, sum",
+         "in place, two passes", "in place, graph change")
 STEPS, SKIP_STEP = 8, 3
 
 
@@ -28,18 +29,21 @@ def test_direct_path_matches_horovods_on_every_rank(job, case):
         assert max_abs_diff(direct["params"], horovod["params"]) <= 1e-5, (r["rank"], case)
         assert horovod["counts"] is None and horovod["modes"] == [None] * STEPS  # the switch: Horovod's path only
         digests.add(direct["digest"])
-        if case != "graph change":  # one learning step on Horovod's path, then the direct path to the end
+        # one bucket gathering every gradient, or the two hidden weights in place (in the order backward makes
+        # them) and the rest gathered last
+        assert direct["buckets"] == ([True, True, False] if case.startswith("in place") else [False]), case
+        if "graph change" not in case:  # one learning step on Horovod's path, then the direct path to the end
             assert direct["modes"] == ["direct"] * STEPS, (r["rank"], case, direct["modes"])
             assert direct["counts"] == {"direct": STEPS - 1, "horovod": 1, "changes": 0}, (r["rank"], case)
-            assert direct["buckets"] == 1
     assert len(digests) == 1, f"{case}: the replicas differ"
 
 
-def test_graph_change_on_one_rank_is_seen_by_every_rank_and_learnt_again(job):
+@pytest.mark.parametrize("case", ["graph change", "in place, graph change"])
+def test_graph_change_on_one_rank_is_seen_by_every_rank_and_learnt_again(job, case):
     """Rank 1 skips the middle layer at step 3: both ranks count the change there, take Horovod's path for
-    step 4 (learning), and are back on the direct path from step 5."""
+    step 4 (learning), and are back on the direct path from step 5 (the skipped weight gathered, or in place)."""
     for r in job.ranks:
-        direct = r["cases"]["graph change"]["direct"]
+        direct = r["cases"][case]["direct"]
         want = ["direct"] * STEPS
         want[SKIP_STEP] = "learn"  # the mode after the step: learn the order again
         assert direct["modes"] == want, (r["rank"], direct["modes"])

@@ -54,7 +54,18 @@ def built(path: str, **options: Any) -> Any:
 
 
 def train(path: str, options: Dict[str, Any], skip_rank: int = -1, passes: int = 1,
-          local_first: bool = False) -> Dict[str, Any]:
+          local_first: bool = False, in_place: bool = False) -> Dict[str, Any]:
+    """``in_place``: the two hidden weights (6144 and 9216 elements) allreduced in their own .grad (else every
+    gradient is gathered into one bucket)."""
+    from hvdp.backends import torch_direct
+    torch_direct.IN_PLACE, default = (5000 if in_place else torch_direct.IN_PLACE), torch_direct.IN_PLACE
+    try:
+        return trained(path, options, skip_rank, passes, local_first)
+    finally:
+        torch_direct.IN_PLACE = default
+
+
+def trained(path: str, options: Dict[str, Any], skip_rank: int, passes: int, local_first: bool) -> Dict[str, Any]:
     model, opt = built(path, **options)
     data = batches(hvdp.rank())
     modes = []
@@ -75,7 +86,7 @@ def train(path: str, options: Dict[str, Any], skip_rank: int = -1, passes: int =
     direct = opt.gradient_path
     return {"params": flat.tolist(), "digest": digest(flat), "modes": modes,
             "counts": None if direct is None else dict(direct.counts),
-            "buckets": None if direct is None else len(direct.buckets)}
+            "buckets": None if direct is None else [b.in_place for b in direct.buckets]}
 
 
 def two_optimizers(path: str) -> Dict[str, Any]:
@@ -145,7 +156,10 @@ def main() -> None:
     settings = {"average": ({}, {}), "sum": ({"op": "sum"}, {}), "predivide": ({"gradient_predivide_factor": 2.0}, {}),
                 "two passes": ({"backward_passes_per_step": 2}, {"passes": 2}),
                 "no_sync": ({}, {"passes": 2, "local_first": True}),
-                "graph change": ({}, {"skip_rank": 1})}
+                "graph change": ({}, {"skip_rank": 1}),
+                "in place": ({}, {"in_place": True}), "in place, sum": ({"op": "sum"}, {"in_place": True}),
+                "in place, two passes": ({"backward_passes_per_step": 2}, {"passes": 2, "in_place": True}),
+                "in place, graph change": ({}, {"skip_rank": 1, "in_place": True})}
     for name, (options, how) in settings.items():
         record["cases"][name] = {path: train(path, options, **how) for path in ("direct", "horovod")}
     record["two optimizers"] = {path: two_optimizers(path) for path in ("direct", "horovod")}
