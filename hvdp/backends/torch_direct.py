@@ -7,19 +7,22 @@ says what is known already. This path skips it:
 
 1. **Learning.** The first step runs on Horovod's path while each rank records the order
    in which its gradients became ready. From that order each rank cuts fixed buckets
-   (:func:`cut`: a gradient of :data:`IN_PLACE` elements or more alone, reduced in its own
-   ``.grad``; the others gathered, the first bucket about 1 MiB, the next about 16 MiB), and
-   the ranks compare their plans once, through Horovod (an allgather of
-   the plan's digest). Equal plans everywhere switch every rank to the direct path at the
-   same step; unequal ones keep Horovod's path (retried at most :data:`TRIES` times).
-2. **Direct steps.** A small gradient's hook copies it into its bucket (a large one's bucket
-   is the gradient itself); a full bucket, once all
-   the buckets before it have gone, is handed to a sender thread, which allreduces it with
-   ``horovod_hvdp_direct_allreduce`` (:data:`hvdp.horovod_build.patches.DIRECT_ALLREDUCE`) on
-   Horovod's own Gloo context, while backward goes on. At the end of the backward pass the
-   buckets not sent yet are sent, with zeros where a parameter got no gradient this pass
-   (what Horovod's ``synchronize`` gives such a parameter), and the averages go into ``.grad``.
-   Every rank sends every bucket, in the same order, with the same sizes, whatever its graph did.
+   (:func:`hvdp.backends.torch_direct_buckets.cut`: a gradient of ``IN_PLACE`` elements or
+   more, 1 MiB of float32, alone, reduced in its own ``.grad``; the others gathered, the first
+   bucket about 1 MiB, the next about 16 MiB), and the ranks compare their plans once, through
+   Horovod (an allgather of the plan's digest). Equal plans everywhere switch every rank to
+   the direct path at the same step; unequal ones keep Horovod's path (retried at most
+   :data:`TRIES` times).
+2. **Direct steps.** A full bucket (a large gradient, or a gathered bucket once its gradients
+   are copied in), once all the buckets before it have gone, is handed to a sender thread,
+   which allreduces it with ``horovod_hvdp_direct_allreduce``
+   (:data:`hvdp.horovod_build.patches.DIRECT_ALLREDUCE`) on Horovod's own Gloo context, while
+   backward goes on. At the end of the backward pass the buckets not sent yet are sent, with
+   zeros where a parameter got no gradient this pass (what Horovod's ``synchronize`` gives such
+   a parameter), and the averages go into ``.grad``. Every rank sends every bucket, in the
+   same order, with the same sizes, whatever its graph did. Meanwhile Horovod's background
+   loop, with nothing to do, runs its rounds 50 ms apart instead of every cycle
+   (:func:`hvdp.backends.torch_direct_calls.quiet_loop`).
 3. **A changed graph.** The last bucket carries one more element: the number of parameters
    this rank missed this pass. Its sum is the same on every rank, so every rank sees a change
    on any rank at the same step; the step's result is still right (zeros for the missing
@@ -37,7 +40,6 @@ and Keras's gradients on the torch backend: :mod:`hvdp.backends.torch_direct_cal
 from __future__ import annotations
 
 import gc
-import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -45,11 +47,13 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from hvdp.backends import torch_buckets, torch_direct_calls
+from hvdp.backends import torch_direct_buckets, torch_direct_calls
+from hvdp.backends.torch_direct_buckets import Bucket, cut
 from hvdp.backends.torch_direct_calls import (
     PATH_ENV,
     DirectAllreduce,
     agreed,
+    quiet_loop,
     report_stall,
     scale_if_direct,
     sender,
@@ -59,72 +63,7 @@ from hvdp.backends.torch_direct_calls import (
 
 #: Learning steps whose plans differed between ranks before the direct path is given up.
 TRIES = 3
-#: Elements from which a gradient is allreduced in place, in its own ``.grad`` (1 MiB of float32): no copy
-#: into a bucket and back, at the cost of one call of its own. Read when the plan is made (a test may lower it).
-IN_PLACE = 1 << 18
-
 _HUGE = 1 << 40  # a countdown Horovod's hooks never bring to zero
-
-
-class _Bucket:
-    """One bucket of the plan: its parameters, their places in its buffer, the buffer.
-
-    An ``in_place`` bucket holds one large parameter and no buffer of its own: ``flat`` is that pass's
-    ``.grad`` (flattened), set by the hook, and the allreduce writes the sum into the gradient itself.
-    """
-
-    def __init__(self, params: List[torch.nn.Parameter], extra: int, in_place: bool = False,
-                 dtype: Optional[torch.dtype] = None) -> None:
-        self.params, self.in_place = params, in_place
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.flat: Optional[torch.Tensor] = None if in_place else torch.zeros(
-            self.offsets[-1] + extra, dtype=params[0].dtype if params else dtype)
-        #: A gathered bucket's parameters' places, shaped like them (one copy in, one out, for all of them).
-        self.shaped = [] if in_place else [self.view(i).view_as(p) for i, p in enumerate(params)]
-        self.filled = [False] * len(params)
-        self.count = 0
-        self.done = threading.Event()
-        self.errors: List[str] = []
-
-    def whole(self) -> torch.Tensor:
-        assert self.flat is not None  # a gathered bucket's buffer, or an in-place one's gradient once taken
-        return self.flat
-
-    def view(self, i: int) -> torch.Tensor:
-        return self.whole()[self.offsets[i]:self.offsets[i + 1]]
-
-    def take(self, param: torch.nn.Parameter, grad: Optional[torch.Tensor]) -> None:
-        """An in-place bucket's gradient for this pass (zeros when the pass gave it none)."""
-        if grad is None:
-            grad = param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        elif grad.is_sparse or not grad.is_contiguous():  # a flat view needs one dense, row-major tensor
-            grad = param.grad = (grad.to_dense() if grad.is_sparse else grad).contiguous()
-        self.flat = grad.view(-1)
-
-
-def cut(order: List[torch.nn.Parameter], big: int) -> List[Tuple[List[torch.nn.Parameter], bool]]:
-    """The buckets, in the order they fill when gradients come in ``order``: each parameter of ``big`` elements
-    or more alone (in place), the others gathered per dtype (the first bucket of a dtype about
-    :data:`torch_buckets.FIRST` elements, the next about :data:`torch_buckets.BUCKET`). The last bucket is
-    always a gathered one (it carries the pass's counts; :meth:`DirectGradients.finish`)."""
-    buckets: List[Tuple[List[torch.nn.Parameter], bool]] = []
-    gathering: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
-    cap = {dtype: torch_buckets.FIRST for dtype in (torch.float32, torch.float64)}
-    for p in order:
-        if p.numel() >= big:
-            buckets.append(([p], True))
-            continue
-        ours = gathering.setdefault(p.dtype, [])
-        ours.append(p)
-        if sum(q.numel() for q in ours) >= cap[p.dtype]:
-            buckets.append((gathering.pop(p.dtype), False))
-            cap[p.dtype] = torch_buckets.BUCKET
-    buckets.extend((ours, False) for ours in gathering.values())
-    if not buckets or buckets[-1][1]:
-        buckets.append(([], False))  # the counts alone
-    return buckets
 
 
 #: Every live optimizer's direct path (:func:`serve_until_finished` looks for those still on it).
@@ -169,7 +108,7 @@ class DirectGradients:
         self.tries = 0
         self.order: List[torch.nn.Parameter] = []  # the learning pass's gradients, in the order they came
         self.recorded: Set[torch.nn.Parameter] = set()
-        self.buckets: List[_Bucket] = []
+        self.buckets: List[Bucket] = []
         self.where: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
         self.issued = 0  # buckets handed to the sender this pass
         self.active = False  # the pass now running fills the buckets
@@ -228,6 +167,7 @@ class DirectGradients:
 
     def start_pass(self) -> None:
         self.active, self.issued, self.late = True, 0, None
+        quiet_loop(True)
         for bucket in self.buckets:
             bucket.filled = [False] * len(bucket.params)
             bucket.count = 0
@@ -258,6 +198,7 @@ class DirectGradients:
         def synchronize() -> Any:
             if self.active:
                 return self.finish()
+            quiet_loop(False)
             result = horovod_synchronize()
             self.counts["horovod"] += 1
             if self.mode == "learn" and self.order:
@@ -357,9 +298,11 @@ class DirectGradients:
             if int(self.buckets[-1].whole()[-1].item()) >= hvd.size():
                 break
         self.mode = "horovod"  # the loop is over on every rank
+        quiet_loop(False)  # Horovod's join next
 
     def relearn(self) -> None:
         self.mode, self.order, self.recorded = "learn", [], set()
+        quiet_loop(False)
         for p in self.params:
             self.optimizer._allreduce_delay[p] = self.optimizer.backward_passes_per_step
 
@@ -368,7 +311,7 @@ class DirectGradients:
         order = self.order + [p for p in self.params if p not in self.recorded]
         self.order, self.recorded = [], set()
         usable = usable_for(self.allreduce, order)
-        buckets = cut(order, IN_PLACE) if usable else []
+        buckets = cut(order, torch_direct_buckets.IN_PLACE) if usable else []
         text = repr([([(self.index[p], tuple(p.shape), str(p.dtype)) for p in ours], in_place)
                      for ours, in_place in buckets])
         self.tries += 1
@@ -377,7 +320,7 @@ class DirectGradients:
                 self.mode = "horovod"
             return
         dtype = order[0].dtype if order else torch.float32
-        self.buckets = [_Bucket(ours, extra=2 if b == len(buckets) - 1 else 0, in_place=in_place, dtype=dtype)
+        self.buckets = [Bucket(ours, extra=2 if b == len(buckets) - 1 else 0, in_place=in_place, dtype=dtype)
                         for b, (ours, in_place) in enumerate(buckets)]
         self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.world, self.mode, self.tries = hvd.size(), "direct", 0

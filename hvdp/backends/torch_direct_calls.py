@@ -263,6 +263,29 @@ def agreed(text: str, usable: bool, name: str) -> bool:
     return bool((everyone[:, 0] == digest).all()) and bool(everyone[:, 1].all())
 
 
+#: How far apart (ms) Horovod's background loop runs its rounds while the process's gradients take the
+#: direct path (:data:`hvdp.horovod_build.direct_patches.QUIET_LOOP`; a submitted tensor wakes it sooner).
+QUIET_MS = 50
+_QUIET = [False]
+
+
+def quiet_loop(on: bool) -> None:
+    """Space Horovod's background rounds :data:`QUIET_MS` apart (``on``: the gradients go direct, the loop has
+    nothing to do) or back to the cycle time. Cheap when unchanged; a no-op with a build without it."""
+    if _QUIET[0] == on:
+        return
+    _QUIET[0] = on
+    found = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_quiet_loop", None)
+    if found is not None:
+        found.argtypes, found.restype = [ctypes.c_int], None
+        found(QUIET_MS if on else 0)
+
+
+def is_quiet() -> bool:
+    """Whether :func:`quiet_loop` spaced the rounds out (for tests and the bench)."""
+    return _QUIET[0]
+
+
 def scale_if_direct(plan: Tuple[str, float, float], compression: str, groups: Any,
                     process_set: Any) -> Optional[Callable[[], float]]:
     """The factor a direct path multiplies the sum by (read at each step: an elastic job's size changes), or

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 import horovod.torch as hvd
 import torch
 
+from hvdp.backends.torch_direct_calls import quiet_loop
+
 #: Longest sleep between two polls of an unfinished collective (seconds).
 _POLL_MAX_SLEEP = 0.0005
 
@@ -136,6 +138,8 @@ def reduce_at_backward_end(optimizer: Any, direct: Any = None) -> Any:
         if not state.queued:
             state.queued, state.reduced = True, False
             torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
+            if direct is None:  # this optimizer's gradients take Horovod's path: its loop's usual rounds
+                quiet_loop(False)
 
     def step_once(closure: Any = None) -> Any:
         if state.reduced and optimizer._should_synchronize:

@@ -127,3 +127,60 @@ DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
           "                                 long long timeout_ms, char* error, int error_size);\n",
           "the direct allreduce's declaration, exported like Horovod's own C interface"),
 )
+
+#: The quiet loop. While every gradient path of the process runs direct (:mod:`hvdp.backends.torch_direct`),
+#: Horovod's background loop has nothing to do, yet its rounds go on every HOROVOD_CYCLE_TIME (5 ms), each a
+#: thread wake-up and a Gloo exchange on a machine whose cores the step needs. ``horovod_hvdp_quiet_loop(ms)``
+#: spaces the rounds ``ms`` apart (0: the cycle time again), and while it does, every tensor submitted to
+#: Horovod wakes the loop at once (the early wake's wake), so a collective is not kept waiting for the cadence;
+#: the ranks' rounds still meet, within ``ms``, so no rank waits long inside a round (never near Gloo's
+#: timeout). A no-op with ``HVDP_EARLY_WAKE=0``, which turns the wake off.
+QUIET_LOOP: Tuple[Patch, ...] = (
+    Patch(_OPS, "bool hvdp_left_waiting = false;\n",
+          "bool hvdp_left_waiting = false;\n"
+          "\n"
+          "// hvdp: the rounds' spacing while every gradient path runs direct (0: the cycle time).\n"
+          "std::atomic<int> hvdp_quiet_ms(0);\n",
+          "the quiet loop's spacing"),
+    Patch(_OPS, "  if (hvdp_left_waiting && HvdpEarlyWakeOn() &&\n",
+          "  const int hvdp_quiet = hvdp_quiet_ms.load();\n"
+          "  if (hvdp_quiet > 0) {  // hvdp: the quiet loop (a submitted tensor wakes it)\n"
+          "    sleep_duration = state.last_cycle_start + std::chrono::milliseconds(hvdp_quiet) - start_time;\n"
+          "  }\n"
+          "  if (hvdp_left_waiting && HvdpEarlyWakeOn() &&\n",
+          "the quiet loop's rounds come hvdp_quiet_ms apart"),
+    Patch(_OPS, "void horovod_hvdp_wake_loop() { HvdpWake(); }\n",
+          "void horovod_hvdp_wake_loop() { HvdpWake(); }\n"
+          "\n"
+          "void horovod_hvdp_quiet_loop(int ms) {\n"
+          "  hvdp_quiet_ms = (ms > 0 && HvdpEarlyWakeOn()) ? ms : 0;\n"
+          "  HvdpWake();  // the new spacing from the next round on\n"
+          "}\n"
+          "\n"
+          "void horovod_hvdp_wake_if_quiet() {\n"
+          "  if (hvdp_quiet_ms.load() > 0) {\n"
+          "    HvdpWake();\n"
+          "  }\n"
+          "}\n",
+          "the quiet loop's switch, and the wake a submitted tensor gives it"),
+    Patch("horovod/common/operations.h", "void horovod_hvdp_wake_loop();\n",
+          "void horovod_hvdp_wake_loop();\n"
+          "\n"
+          "// hvdp: the background loop's rounds ms apart, any submitted tensor waking it (0: as before).\n"
+          "void horovod_hvdp_quiet_loop(int ms);\n",
+          "the quiet loop's declaration, exported like Horovod's own C interface"),
+    Patch("horovod/common/tensor_queue.cc", '#include "logging.h"\n\nnamespace horovod {\nnamespace common {\n',
+          '#include "logging.h"\n\nnamespace horovod {\nnamespace common {\n\n'
+          "// hvdp: wakes the background loop when it is quiet (operations.cc).\n"
+          'extern "C" void horovod_hvdp_wake_if_quiet();\n',
+          "the queue wakes a quiet loop"),
+    Patch("horovod/common/tensor_queue.cc",
+          "  message_queue_.push(std::move(message));\n  return Status::OK();\n",
+          "  message_queue_.push(std::move(message));\n  horovod_hvdp_wake_if_quiet();\n  return Status::OK();\n",
+          "a submitted tensor wakes a quiet loop"),
+    Patch("horovod/common/tensor_queue.cc",
+          "    message_queue_.push(std::move(messages[i]));\n  }\n  return Status::OK();\n",
+          "    message_queue_.push(std::move(messages[i]));\n  }\n  horovod_hvdp_wake_if_quiet();\n"
+          "  return Status::OK();\n",
+          "a submitted group wakes a quiet loop"),
+)

@@ -35,6 +35,11 @@ def test_direct_path_matches_horovods_on_every_rank(job, case):
         if "graph change" not in case:  # one learning step on Horovod's path, then the direct path to the end
             assert direct["modes"] == ["direct"] * STEPS, (r["rank"], case, direct["modes"])
             assert direct["counts"] == {"direct": STEPS - 1, "horovod": 1, "changes": 0}, (r["rank"], case)
+            # Horovod's loop quiet from the first direct step on (never on Horovod's path)
+            assert direct["quiet"] == [False] + [True] * (STEPS - 1), (r["rank"], case, direct["quiet"])
+        assert horovod["quiet"] == [False] * STEPS, (r["rank"], case)
+        # a collective on Horovod's path right after the direct steps: its loop quiet, the submitted tensor wakes it
+        assert direct["big"] == [3.0, 3.0] and direct["quiet after big"] is True, case
     assert len(digests) == 1, f"{case}: the replicas differ"
 
 
@@ -47,6 +52,9 @@ def test_graph_change_on_one_rank_is_seen_by_every_rank_and_learnt_again(job, ca
         want = ["direct"] * STEPS
         want[SKIP_STEP] = "learn"  # the mode after the step: learn the order again
         assert direct["modes"] == want, (r["rank"], direct["modes"])
+        # quiet from the first direct step, off for the learning step after the change, on again after it
+        quiet = [step not in (0, SKIP_STEP, SKIP_STEP + 1) for step in range(STEPS)]
+        assert direct["quiet"] == quiet, (r["rank"], direct["quiet"])
         assert direct["counts"] == {"direct": STEPS - 2, "horovod": 2, "changes": 1}, r["rank"]
 
 

@@ -16,6 +16,7 @@ from _report import digest, write
 from sklearn.datasets import load_digits
 
 import hvdp
+from hvdp.backends import torch_direct_calls
 
 STEPS = 8
 #: The step at which rank 1 leaves the middle layer out of its forward (its parameters get no gradient there).
@@ -57,18 +58,18 @@ def train(path: str, options: Dict[str, Any], skip_rank: int = -1, passes: int =
           local_first: bool = False, in_place: bool = False) -> Dict[str, Any]:
     """``in_place``: the two hidden weights (6144 and 9216 elements) allreduced in their own .grad (else every
     gradient is gathered into one bucket)."""
-    from hvdp.backends import torch_direct
-    torch_direct.IN_PLACE, default = (5000 if in_place else torch_direct.IN_PLACE), torch_direct.IN_PLACE
+    from hvdp.backends import torch_direct_buckets as buckets
+    buckets.IN_PLACE, default = (5000 if in_place else buckets.IN_PLACE), buckets.IN_PLACE
     try:
         return trained(path, options, skip_rank, passes, local_first)
     finally:
-        torch_direct.IN_PLACE = default
+        buckets.IN_PLACE = default
 
 
 def trained(path: str, options: Dict[str, Any], skip_rank: int, passes: int, local_first: bool) -> Dict[str, Any]:
     model, opt = built(path, **options)
     data = batches(hvdp.rank())
-    modes = []
+    modes, quiet = [], []
     for step in range(STEPS):
         opt.zero_grad()
         for k in range(passes):
@@ -82,9 +83,13 @@ def trained(path: str, options: Dict[str, Any], skip_rank: int, passes: int, loc
         opt.step()
         direct = opt.gradient_path
         modes.append(None if direct is None else direct.mode)
+        quiet.append(torch_direct_calls.is_quiet())
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     direct = opt.gradient_path
-    return {"params": flat.tolist(), "digest": digest(flat), "modes": modes,
+    # A collective on Horovod's path (512 KB: not a small direct call) while its loop may be quiet.
+    big = hvdp.allreduce(torch.full((1 << 17,), float(hvdp.rank() + 1)), op="sum", name=f"big.{path}.{options}")
+    return {"params": flat.tolist(), "digest": digest(flat), "modes": modes, "quiet": quiet,
+            "big": [float(big.min()), float(big.max())], "quiet after big": torch_direct_calls.is_quiet(),
             "counts": None if direct is None else dict(direct.counts),
             "buckets": None if direct is None else [b.in_place for b in direct.buckets]}
 

@@ -1,0 +1,76 @@
+"""The direct gradient path's buckets (:mod:`hvdp.backends.torch_direct`): how a learnt order of gradients is
+cut (:func:`cut`), and one bucket's places and buffer (:class:`Bucket`)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from hvdp.backends import torch_buckets
+
+#: Elements from which a gradient is allreduced in place, in its own ``.grad`` (1 MiB of float32): no copy
+#: into a bucket and back, at the cost of one call of its own. Read when the plan is made (a test may lower it).
+IN_PLACE = 1 << 18
+
+
+class Bucket:
+    """One bucket of the plan: its parameters, their places in its buffer, the buffer.
+
+    An ``in_place`` bucket holds one large parameter and no buffer of its own: ``flat`` is that pass's
+    ``.grad`` (flattened), set by the hook, and the allreduce writes the sum into the gradient itself.
+    """
+
+    def __init__(self, params: List[torch.nn.Parameter], extra: int, in_place: bool = False,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        self.params, self.in_place = params, in_place
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.flat: Optional[torch.Tensor] = None if in_place else torch.zeros(
+            self.offsets[-1] + extra, dtype=params[0].dtype if params else dtype)
+        #: A gathered bucket's parameters' places, shaped like them (one copy in, one out, for all of them).
+        self.shaped = [] if in_place else [self.view(i).view_as(p) for i, p in enumerate(params)]
+        self.filled = [False] * len(params)
+        self.count = 0
+        self.done = threading.Event()
+        self.errors: List[str] = []
+
+    def whole(self) -> torch.Tensor:
+        assert self.flat is not None  # a gathered bucket's buffer, or an in-place one's gradient once taken
+        return self.flat
+
+    def view(self, i: int) -> torch.Tensor:
+        return self.whole()[self.offsets[i]:self.offsets[i + 1]]
+
+    def take(self, param: torch.nn.Parameter, grad: Optional[torch.Tensor]) -> None:
+        """An in-place bucket's gradient for this pass (zeros when the pass gave it none)."""
+        if grad is None:
+            grad = param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        elif grad.is_sparse or not grad.is_contiguous():  # a flat view needs one dense, row-major tensor
+            grad = param.grad = (grad.to_dense() if grad.is_sparse else grad).contiguous()
+        self.flat = grad.view(-1)
+
+
+def cut(order: List[torch.nn.Parameter], big: int) -> List[Tuple[List[torch.nn.Parameter], bool]]:
+    """The buckets, in the order they fill when gradients come in ``order``: each parameter of ``big`` elements
+    or more alone (in place), the others gathered per dtype (the first bucket of a dtype about
+    :data:`torch_buckets.FIRST` elements, the next about :data:`torch_buckets.BUCKET`). The last bucket is
+    always a gathered one (it carries the pass's counts; :meth:`hvdp.backends.torch_direct.DirectGradients.finish`)."""
+    buckets: List[Tuple[List[torch.nn.Parameter], bool]] = []
+    gathering: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+    cap = {dtype: torch_buckets.FIRST for dtype in (torch.float32, torch.float64)}
+    for p in order:
+        if p.numel() >= big:
+            buckets.append(([p], True))
+            continue
+        ours = gathering.setdefault(p.dtype, [])
+        ours.append(p)
+        if sum(q.numel() for q in ours) >= cap[p.dtype]:
+            buckets.append((gathering.pop(p.dtype), False))
+            cap[p.dtype] = torch_buckets.BUCKET
+    buckets.extend((ours, False) for ours in gathering.values())
+    if not buckets or buckets[-1][1]:
+        buckets.append(([], False))  # the counts alone
+    return buckets
