@@ -327,6 +327,7 @@ class DirectGroup:
         layout = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)
         if layout == self.layout and not self.joining() and hvd.size() == self.world:
             return self.direct(tensors)
+        quiet_loop(False)
         result = horovod_reduce(tensors)
         self.counts["horovod"] += 1
         if self.joining() or layout == self.tried:
@@ -345,6 +346,7 @@ class DirectGroup:
         return result
 
     def direct(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        quiet_loop(True)
         results: List[Any] = [None] * len(tensors)
         scale = self.scale()
         for dtype, flat in self.buffers.items():
