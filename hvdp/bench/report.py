@@ -7,7 +7,7 @@ import os
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hvdp.bench import breakdown
 from hvdp.bench.plan import Group, Settings
@@ -285,6 +285,23 @@ def _human(nbytes: int) -> str:
     return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
 
 
+#: The overhead panel's bars: hvdp against plain Horovod, and torch's direct path against Horovod's path.
+_OVERHEAD_BARS = {"hvdp/horovod same knobs": "/ Horovod, same knobs",
+                  "hvdp/horovod defaults": "/ Horovod, its defaults",
+                  "hvdp/hvdp HVDP_GRADIENT_PATH=horovod": "direct / Horovod's path"}
+#: The native panel's bars: like for like (the target) first, then the native contender as shipped (pale).
+_NATIVE_BARS = {"hvdp/ddp same malloc": "/ DDP like for like", "hvdp/mwms same malloc": "/ MWMS like for like",
+                "hvdp/ddp": "/ DDP as shipped", "hvdp/mwms": "/ MWMS as shipped"}
+_AS_SHIPPED = {"hvdp/ddp", "hvdp/mwms"}
+
+
+def _not_measured(ax: Any, results: dict) -> None:
+    ax.text(0.5, 0.5, f"not measured in this run\n(sections: {', '.join(results.get('sections', []))})",
+            ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
 def plot(results: dict, path: str) -> None:
     """Draw the ratios, the allreduce sweep and the scaling figure into ``path`` (PNG)."""
     try:
@@ -297,20 +314,26 @@ def plot(results: dict, path: str) -> None:
     bars = sum(len(group["ratios"]) for group in results["groups"])
     fig, axes = plt.subplots(2, 2, figsize=(15, max(9.0, 5.0 + 0.25 * bars)),
                              gridspec_kw={"height_ratios": [max(1.0, bars / 16), 1.0]})
-    for ax, keys, title in ((axes[0][0], ("hvdp/horovod same knobs", "hvdp/horovod defaults"),
-                             "Overhead: hvdp / plain Horovod step time"),
-                            (axes[0][1], ("hvdp/ddp", "hvdp/mwms"), "Versus native: hvdp / native step time")):
-        labels, values = [], []
+    panels = ((axes[0][0], _OVERHEAD_BARS, "Overhead: hvdp / plain Horovod, direct / Horovod's path"),
+              (axes[0][1], _NATIVE_BARS, "Versus native: hvdp / native step time"))
+    for ax, keys, title in panels:
+        labels, values, shipped = [], [], []
         for group in results["groups"]:
-            for key in keys:
+            for key, label in keys.items():
                 if key in group["ratios"]:
-                    labels.append(f"{group['name']}: {key.split('/', 1)[1]}")
+                    labels.append(f"{group['name']}: {label}")
                     values.append(group["ratios"][key])
+                    shipped.append(key in _AS_SHIPPED)
         ax.barh(range(len(values)), values, color=["tab:green" if v <= 1.0 else "tab:red" for v in values])
+        for bar, light in zip(ax.patches, shipped):  # the native contender as shipped: context, not the target
+            if light:
+                bar.set_alpha(0.35)
         ax.set_yticks(range(len(values)), labels, fontsize=7)
         ax.axvline(1.0, color="black", lw=1)
         ax.set_title(title)
         ax.set_xlabel("step-time ratio (< 1: hvdp faster)")
+        if not values:
+            _not_measured(ax, results)
     ax = axes[1][0]
     sweep = results.get("allreduce") or {}
     for name, fig_ in sweep.get("impls", {}).items():
@@ -322,14 +345,21 @@ def plot(results: dict, path: str) -> None:
     ax.set_title("Allreduce, np=2")
     if sweep:
         ax.legend(fontsize=7)
+    else:
+        _not_measured(ax, results)
     ax = axes[1][1]
     scaling = results.get("scaling") or {}
     if scaling:
-        ax.bar(["np=1", "np=2", "ideal np=2"],
-               [scaling["throughput_np1"], scaling["throughput_np2"], 2 * scaling["throughput_np1"]],
-               color=["tab:blue", "tab:blue", "lightgray"])
-        ax.set_title(f"Scaling {scaling['model']}: efficiency {scaling['efficiency']:.2f}")
+        ddp = scaling.get("ddp") or {}
+        names = ["hvdp\nnp=1", "hvdp\nnp=2", "hvdp\nideal np=2"] + (["DDP\nnp=1", "DDP\nnp=2"] if ddp else [])
+        heights = [scaling["throughput_np1"], scaling["throughput_np2"], 2 * scaling["throughput_np1"]] + \
+            ([ddp["throughput_np1"], ddp["throughput_np2"]] if ddp else [])
+        ax.bar(names, heights, color=["tab:blue", "tab:blue", "lightgray", "tab:orange", "tab:orange"][:len(names)])
+        ax.set_title(f"Scaling {scaling['model']}: efficiency hvdp {scaling['efficiency']:.2f}"
+                     + (f", DDP {ddp['efficiency']:.2f}" if ddp else ""))
         ax.set_ylabel("examples / s")
+    else:
+        _not_measured(ax, results)
     fig.suptitle(f"hvdp bench ({results.get('mode')}), {results.get('date')}, "
                  f"{results.get('machine', {}).get('description', '')}", fontsize=9)
     fig.tight_layout()
