@@ -265,13 +265,18 @@ def agreed(text: str, usable: bool, name: str) -> bool:
 
 #: How far apart (ms) Horovod's background loop runs its rounds while the process's gradients take the
 #: direct path (:data:`hvdp.horovod_build.direct_patches.QUIET_LOOP`; a submitted tensor wakes it sooner).
-QUIET_MS = 50
+#: Off (0) unless ``HVDP_QUIET_LOOP_MS`` is set: at 50 it made ResNet-18's step 2.6% shorter, but in a job
+#: with process sets (tests/parallel/test_mpi_groups.py, torch, Gloo) a rank's rounds then stalled past
+#: Gloo's 30 s timeout, a cause not yet found.
+QUIET_MS = int(os.environ.get("HVDP_QUIET_LOOP_MS", "0") or 0)
 _QUIET = [False]
 
 
 def quiet_loop(on: bool) -> None:
     """Space Horovod's background rounds :data:`QUIET_MS` apart (``on``: the gradients go direct, the loop has
-    nothing to do) or back to the cycle time. Cheap when unchanged; a no-op with a build without it."""
+    nothing to do) or back to the cycle time. Cheap when unchanged; a no-op with a build without it, or
+    while :data:`QUIET_MS` is 0."""
+    on = on and QUIET_MS > 0
     if _QUIET[0] == on:
         return
     _QUIET[0] = on

@@ -58,10 +58,6 @@ def fit_against_union(rank: int, size: int) -> dict:
     start = flat(model)
     x, y = rank_data(rank, PER_RANK_BATCH * STEPS)
     model.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
-    quiet = None
-    if keras.backend.backend() == "torch":  # Horovod's loop quiet once the updates went direct
-        from hvdp.backends import torch_direct_calls
-        quiet = torch_direct_calls.is_quiet()
 
     # One process, same start (rank 0's), each step on the union of the ranks' batches.
     reference = make_model(seed=0)
@@ -74,7 +70,6 @@ def fit_against_union(rank: int, size: int) -> dict:
                   batch_size=PER_RANK_BATCH * size, epochs=1, shuffle=False, verbose=0)
     return {"before": digest(before), "start": digest(start), "after": flat(model).tolist(),
             "vs_union": compare(flat(model), flat(reference)), "moved": float(np.max(np.abs(flat(model) - start))),
-            "quiet": quiet,
             "path": dict(getattr(optimizer, "_hvdp_gradient_path", None).counts)  # torch's direct path
             if getattr(optimizer, "_hvdp_gradient_path", None) is not None else None}
 
