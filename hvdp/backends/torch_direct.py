@@ -217,8 +217,8 @@ class DirectGradients:
             for i, filled in enumerate(bucket.filled):
                 if not filled:
                     if bucket.in_place:  # zeros, as Horovod's path sends for a parameter without a gradient
-                        bucket.take(bucket.params[0], None if bucket.params[0].grad is None else
-                                    bucket.params[0].grad.zero_())
+                        grad = bucket.params[0].grad
+                        bucket.take(bucket.params[0], grad.zero_() if grad is not None else None)
                     else:
                         bucket.view(i).zero_()
                     missing += 1

@@ -60,16 +60,17 @@ def cut(order: List[torch.nn.Parameter], big: int) -> List[Tuple[List[torch.nn.P
     always a gathered one (it carries the pass's counts; :meth:`hvdp.backends.torch_direct.DirectGradients.finish`)."""
     buckets: List[Tuple[List[torch.nn.Parameter], bool]] = []
     gathering: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+    size: Dict[torch.dtype, int] = {}  # elements gathered so far, per dtype
     cap = {dtype: torch_buckets.FIRST for dtype in (torch.float32, torch.float64)}
     for p in order:
         if p.numel() >= big:
             buckets.append(([p], True))
             continue
-        ours = gathering.setdefault(p.dtype, [])
-        ours.append(p)
-        if sum(q.numel() for q in ours) >= cap[p.dtype]:
+        gathering.setdefault(p.dtype, []).append(p)
+        size[p.dtype] = size.get(p.dtype, 0) + p.numel()
+        if size[p.dtype] >= cap[p.dtype]:
             buckets.append((gathering.pop(p.dtype), False))
-            cap[p.dtype] = torch_buckets.BUCKET
+            size[p.dtype], cap[p.dtype] = 0, torch_buckets.BUCKET
     buckets.extend((ours, False) for ours in gathering.values())
     if not buckets or buckets[-1][1]:
         buckets.append(([], False))  # the counts alone
