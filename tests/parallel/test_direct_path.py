@@ -93,3 +93,11 @@ def test_calls_that_differ_between_ranks_are_refused_on_every_rank(job, what):
         assert refusal.startswith("TensorMismatchError: "), (r["rank"], refusal)
         assert "rank 0: " in refusal and "rank 1: " in refusal, refusal
         assert r["calls"]["refusals"][f"after {what}"] == [2.0, 2.0, 2.0]
+
+
+def test_the_quiet_loop_setting_is_read_and_refused_with_the_fix(job):
+    for r in job.ranks:
+        setting = r["quiet setting"]
+        assert setting["unset"] == 50 and setting["zero"] == 0, setting
+        assert "HVDP_QUIET_LOOP_MS='fast'" in setting["refused"] and "0 to keep" in setting["refused"], setting
+        assert setting["quiet with a 50 ms cycle"] is False  # the loop's rounds never come more often

@@ -157,7 +157,7 @@ def calls() -> Dict[str, Any]:
 
 def main() -> None:
     hvdp.init(framework="torch")
-    torch_direct_calls.QUIET_MS = 50  # the quiet loop is opt-in (HVDP_QUIET_LOOP_MS): checked here
+    assert torch_direct_calls.QUIET_MS == 50, "the quiet loop is on by default (HVDP_QUIET_LOOP_MS unset)"
     record: Dict[str, Any] = {"rank": hvdp.rank(), "size": hvdp.size(), "cases": {}}
     settings = {"average": ({}, {}), "sum": ({"op": "sum"}, {}), "predivide": ({"gradient_predivide_factor": 2.0}, {}),
                 "two passes": ({"backward_passes_per_step": 2}, {"passes": 2}),
@@ -170,7 +170,27 @@ def main() -> None:
         record["cases"][name] = {path: train(path, options, **how) for path in ("direct", "horovod")}
     record["two optimizers"] = {path: two_optimizers(path) for path in ("direct", "horovod")}
     record["calls"] = calls()
+    record["quiet setting"] = quiet_setting()
     write(hvdp.rank(), record)
+
+
+def quiet_setting() -> Dict[str, Any]:
+    """HVDP_QUIET_LOOP_MS's values, and a job cycle as long as the quiet spacing, which leaves the loop alone."""
+    try:
+        torch_direct_calls.quiet_ms_from("fast")
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    torch_direct_calls.quiet_loop(False)
+    os.environ["HOROVOD_CYCLE_TIME"], cycle = "50", os.environ.get("HOROVOD_CYCLE_TIME")
+    torch_direct_calls.quiet_loop(True)
+    quiet_with_long_cycle = torch_direct_calls.is_quiet()
+    if cycle is None:
+        del os.environ["HOROVOD_CYCLE_TIME"]
+    else:
+        os.environ["HOROVOD_CYCLE_TIME"] = cycle
+    return {"unset": torch_direct_calls.quiet_ms_from(None), "zero": torch_direct_calls.quiet_ms_from(" 0"),
+            "refused": refused, "quiet with a 50 ms cycle": quiet_with_long_cycle}
 
 
 if __name__ == "__main__":
