@@ -19,8 +19,8 @@ import torch
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
+from hvdp.backends.torch_calls import direct_call
 from hvdp.backends.torch_direct import direct_gradients, serve_until_finished
-from hvdp.backends.torch_direct_calls import direct_call
 from hvdp.backends.torch_gradients import (
     broadcast_buffers_before_forward,
     complete,
@@ -291,7 +291,7 @@ class Backend(HorovodJob):
     def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any, out: Any = None) -> Any:
         tensor, as_numpy = self._to_tensor(value, "allreduce")
         horovod_op, horovod_set = self._op(op), self._set(process_set)
-        if not _differentiable(tensor):  # a small tensor: one direct Gloo call, without Horovod's rounds
+        if not _differentiable(tensor):  # a whole-job CPU tensor: direct Gloo calls, without Horovod's rounds
             target = out if out is None or not isinstance(out, np.ndarray) else torch.from_numpy(out)
             with torch.no_grad():
                 direct = direct_call(tensor, op, name, process_set is None, self.joining,

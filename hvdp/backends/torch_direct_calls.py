@@ -3,9 +3,10 @@
 hvdp's Horovod build adds two C entries (:data:`hvdp.horovod_build.direct_patches.DIRECT_ALLREDUCE`):
 a sum-allreduce in place (``horovod_hvdp_direct_allreduce``) and an exchange of every rank's message
 with every rank (``horovod_hvdp_direct_exchange``), each on a Gloo tag of its own. Here: their Python
-side, with the stall timeout and the stall report (:func:`timeout_ms`, :func:`report_stall`), the small
-``hvdp.allreduce`` call by one exchange (:func:`direct_call`), and a Keras optimizer's gradients on the
-torch backend reduced together (:class:`DirectGroup`). torch's gradient path: :mod:`.torch_direct`.
+side, with the stall timeout and the stall report (:func:`timeout_ms`, :func:`report_stall`), the
+sender thread of torch's gradient path (:mod:`.torch_direct`), the quiet loop, and a Keras optimizer's
+gradients on the torch backend reduced together (:class:`DirectGroup`). ``hvdp.allreduce``'s direct
+forms: :mod:`.torch_calls`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
@@ -142,111 +142,6 @@ def sender(allreduce: DirectAllreduce) -> _Sender:
         _SENDER[:] = [_Sender(allreduce)]
         _SENDER[0].start()
     return _SENDER[0]
-
-
-#: The direct exchange's channel for ``hvdp.allreduce`` calls (the caller's thread).
-CALL_CHANNEL = 2
-#: The largest tensor ``hvdp.allreduce`` reduces by a direct exchange (bytes); larger ones take Horovod's
-#: path, whose coordination round is then a small part of the call.
-CALL_MAX_BYTES = 256 << 10
-#: The most processes a direct exchange serves (each rank sends its tensor to every other one).
-CALL_MAX_RANKS = 16
-#: Bytes of the header before each rank's tensor: int64 marker, byte count, signature, and spare.
-_HEADER = 64
-_MARK = 0x68766470  # "hvdp"
-_CALL_DTYPES = {torch.float32, torch.float64, torch.int32, torch.int64}
-
-
-class DirectExchange:
-    """The build's ``horovod_hvdp_direct_exchange``: every rank's message to every rank, by the calling thread.
-
-    Each rank's message (a header and its tensor's bytes) goes to every other rank into a place of
-    :data:`CALL_MAX_BYTES` plus the header; a message may be shorter than its place, so ranks whose
-    tensors differ in size get each other's headers and an error, where a collective on buffers of
-    different sizes would end the process inside Gloo.
-    """
-
-    def __init__(self) -> None:
-        self.entry = entry("horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int)
-        self.lock = threading.Lock()
-        self.inbox: Optional[torch.Tensor] = None  # every rank's place, kept from call to call
-        # Its NumPy views: (ranks, capacity) bytes, and the headers' first (ranks, 3) int64.
-        self.places: Any = np.empty((0, 0), dtype=np.uint8)
-        self.headers: Any = np.empty((0, 3), dtype=np.int64)
-        self.error = ctypes.create_string_buffer(1024)
-        self.capacity = _HEADER + CALL_MAX_BYTES
-        self.gloo: Optional[bool] = None
-
-    def usable(self) -> bool:
-        if self.gloo is None:  # the controller is fixed for the life of the process
-            self.gloo = bool(hvd.gloo_enabled())
-        return self.entry is not None and self.gloo
-
-    def reduce(self, tensor: torch.Tensor, op: str, name: Optional[str]) -> torch.Tensor:
-        """The sum (or average) of every rank's ``tensor``, summed in rank order: the same on every rank.
-
-        NumPy views of the kept inbox do the packing and the sum: a small call's Python time adds to the
-        exchange's on a busy machine (the other ranks' messages wait for this one's threads), and NumPy's
-        calls on small arrays cost a few microseconds where torch's cost tens.
-        """
-        assert self.entry is not None, "usable() is checked before any call"
-        size, rank = hvd.size(), hvd.rank()
-        values = tensor.reshape(-1).numpy()
-        nbytes = values.nbytes
-        mark = zlib.crc32(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{op}".encode())
-        with self.lock:
-            if self.inbox is None or self.inbox.numel() != size * self.capacity:
-                self.inbox = torch.empty(size * self.capacity, dtype=torch.uint8)
-                self.places = self.inbox.numpy().reshape(size, self.capacity)
-                self.headers = self.places[:, :_HEADER].view(np.int64)[:, :3]
-            self.headers[rank] = (_MARK, nbytes, mark)
-            self.places[rank, _HEADER:_HEADER + nbytes].view(values.dtype)[:] = values
-            code = self.entry(self.inbox.data_ptr(), self.capacity, _HEADER + nbytes, CALL_CHANNEL, timeout_ms(),
-                              self.error, len(self.error))
-            if code == 1 and b"imed out" in self.error.value:
-                report_stall(f"{name or 'unnamed'}", timeout_ms())
-            if code != 0:
-                raise HorovodInternalError(self.error.value.decode(errors="replace") if code == 1 else
-                                           "hvdp's direct exchange needs a Gloo job (this one runs on MPI).")
-            if not (self.headers == self.headers[rank]).all():
-                raise HorovodInternalError(  # "Mismatched", as Horovod says it: hvdp.collectives names each rank's
-                    f"Mismatched allreduce: ranks passed different names, dtypes, shapes or ops to the same call "
-                    f"of hvdp.allreduce ({name or 'unnamed'}: {tensor.dtype} {list(tensor.shape)}, {op} here).")
-            rows = self.places[:, _HEADER:_HEADER + nbytes].view(values.dtype)
-            result = rows[0].copy()
-            for r in range(1, size):
-                result += rows[r]
-        if op == "average":
-            result /= size
-        return torch.from_numpy(result).view(tensor.shape)
-
-
-_EXCHANGE = DirectExchange()
-
-
-def direct_call(tensor: torch.Tensor, op: str, name: Optional[str], whole_job: bool, joining: bool,
-                out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """``hvdp.allreduce`` of a small CPU tensor by one direct exchange (:class:`DirectExchange`), or None
-    where it does not apply.
-
-    Every rank gets every rank's tensor and header (name, dtype, shape, op), checks that they all
-    agree (else an error on every rank at once: "Mismatched", as Horovod says it, which
-    :func:`hvdp.collectives.run` turns into a TensorMismatchError naming each rank's tensor), and
-    sums them in rank order. It applies to sums and averages (floating point for an average) of the
-    whole job's tensors of at most :data:`CALL_MAX_BYTES`, outside ``hvdp.join``, with :data:`PATH_ENV`
-    not ``horovod``, in a Gloo job of 2 to :data:`CALL_MAX_RANKS` processes.
-    """
-    size = hvd.size()
-    if (op not in ("sum", "average") or not whole_job or joining or tensor.device.type != "cpu"
-            or tensor.dtype not in _CALL_DTYPES or (op == "average" and not tensor.dtype.is_floating_point)
-            or tensor.numel() * tensor.element_size() > CALL_MAX_BYTES or not 2 <= size <= CALL_MAX_RANKS
-            or chosen_path() != "direct" or not _EXCHANGE.usable()):
-        return None
-    result = _EXCHANGE.reduce(tensor.detach(), op, name)
-    if out is not None:
-        out.copy_(result)
-        return out
-    return result
 
 
 def usable_for(allreduce: "DirectAllreduce", tensors: Any) -> bool:

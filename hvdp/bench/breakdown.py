@@ -29,12 +29,13 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from hvdp.errors import BenchError
 
-#: The variants timed side by side, in the order of the table: hvdp's call as it runs (a tensor of up to
-#: 256 KB by a direct exchange, :func:`hvdp.backends.torch_direct_calls.direct_call`), the same call on Horovod's
-#: path (``HVDP_GRADIENT_PATH=horovod``), and Horovod's own in-place call.
+#: The variants timed side by side, in the order of the table: hvdp's call as it runs (under Gloo by direct
+#: calls, :func:`hvdp.backends.torch_calls.direct_call`), the same call on Horovod's path
+#: (``HVDP_GRADIENT_PATH=horovod``), and Horovod's own in-place call.
 VARIANTS = ("hvdp.allreduce", "hvdp.allreduce, Horovod's path", "Horovod allreduce_ (in place)")
-#: The variant whose small calls skip Horovod's queue and timeline: its phases are Python's only, with
-#: ``output allocation`` the packing of the tensor into the exchange's buffer and ``wait`` the exchange.
+#: The variant whose calls skip Horovod's queue and timeline under Gloo: its phases are Python's only, with
+#: ``output allocation`` the packing of a small tensor into the exchange's buffer and ``wait`` the exchange
+#: (a large tensor: its header exchange and the ring).
 DIRECT = VARIANTS[0]
 
 #: Python marks every rank records per call, in the order a call passes them (perf_counter ns):

@@ -180,7 +180,7 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
     from horovod.torch import mpi_ops
 
     import hvdp
-    from hvdp.backends import torch_direct_calls
+    from hvdp.backends import torch_calls, torch_direct_calls
     from hvdp.bench import breakdown as bd
 
     os.environ["HOROVOD_TIMELINE"] = timeline
@@ -208,8 +208,8 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
 
     hvd.allreduce_async, mpi_ops._allreduce_async = allreduce_async, _allreduce_async
     hvd.synchronize = mpi_ops.synchronize = synchronize
-    exchange = torch_direct_calls._EXCHANGE  # the direct path of small calls: marks around its packing and exchange
-    reduce, entry = exchange.reduce, exchange.entry
+    exchange = torch_calls._EXCHANGE  # the direct calls: marks around the packing, the exchange and the ring
+    reduce, entry, ring = exchange.reduce, exchange.entry, torch_calls._RING.entry
 
     def reduce_marked(*args: Any, **kwargs: Any) -> Any:
         current["alloc"] = now()
@@ -221,7 +221,13 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
         current["done"] = now()
         return code
 
+    def ring_marked(*args: Any) -> Any:  # a large call: its header exchange (the "enqueue" mark), then the ring
+        code = ring(*args)
+        current["done"] = now()
+        return code
+
     exchange.reduce, exchange.entry = reduce_marked, entry_marked  # type: ignore[method-assign]
+    torch_calls._RING.entry = ring_marked
 
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -274,6 +280,7 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
     finally:
         hvd.allreduce_async, mpi_ops._allreduce_async, hvd.synchronize, mpi_ops.synchronize = originals
         exchange.reduce, exchange.entry = reduce, entry  # type: ignore[method-assign]
+        torch_calls._RING.entry = ring
     mine = {"marks": marks, "faults": minflt, "offset_ns": _clock_offset_ns()}
     every = hvdp.allgather_object(mine)
     hvdp.shutdown()
@@ -289,7 +296,7 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
             per_rank = {r: {"marks": rec["marks"][variant][key], "offset_ns": rec["offset_ns"]}
                         for r, rec in enumerate(every)}
             skip = 1 + warmup  # the estimating call and the warm-up calls are left out
-            # A direct call is not in Horovod's timeline (a large one, or any under MPI, is: it took Horovod's path).
+            # A direct call is not in Horovod's timeline (any under MPI is: it took Horovod's path).
             direct = variant == bd.DIRECT and f"allreduce.breakdown.{name_index}.{nbytes}" not in parsed.calls
             rows = bd.call_phases(per_rank, None if direct else parsed, f"allreduce.breakdown.{name_index}.{nbytes}",
                                   skip)

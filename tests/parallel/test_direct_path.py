@@ -95,6 +95,39 @@ def test_calls_that_differ_between_ranks_are_refused_on_every_rank(job, what):
         assert r["calls"]["refusals"][f"after {what}"] == [2.0, 2.0, 2.0]
 
 
+LARGE_KEYS = ("float32 sum", "float32 average", "float64 sum", "float64 average", "int32 sum", "int64 sum")
+
+
+@pytest.mark.parametrize("key", LARGE_KEYS)
+def test_large_allreduce_by_the_ring_matches_horovods_path_on_every_rank(job, key):
+    for r in job.ranks:
+        got = r["large calls"][key]
+        assert got["shape"] == [300, 257] and got["dtype"] == "torch." + key.split()[0], got
+        assert got["diff"] <= (1e-4 if "32" in key else 1e-9), (r["rank"], key, got)
+    assert job.ranks[0]["large calls"][key]["digest"] == job.ranks[1]["large calls"][key]["digest"]
+
+
+def test_large_allreduce_into_out_in_place_numpy_and_transposed(job):
+    for r in job.ranks:
+        got = r["large calls"]
+        assert got["out="] == {"returned_out": True, "right": True, "input unchanged": True}, got["out="]
+        assert got["in place"] == {"returned_out": True, "right": True}
+        assert got["numpy out="] == {"returned_out": True, "right": True}
+        assert got["transposed"] == {"right": True}
+        # every large call took the ring (the six dtypes/ops, out=, in place, NumPy, transposed, the calls after
+        # each refusal), none of the refused ones (their header exchange refused them first)
+        assert got["ring calls"] == 6 + 4 + 3, got["ring calls"]
+
+
+@pytest.mark.parametrize("what", ["name", "shape", "dtype"])
+def test_large_calls_that_differ_between_ranks_are_refused_before_the_ring(job, what):
+    for r in job.ranks:
+        refusal = r["large calls"]["refusals"][what]
+        assert refusal.startswith("TensorMismatchError: "), (r["rank"], refusal)
+        assert "rank 0: " in refusal and "rank 1: " in refusal, refusal
+        assert r["large calls"]["refusals"][f"after {what}"] == 140_000.0
+
+
 def test_the_quiet_loop_setting_is_read_and_refused_with_the_fix(job):
     for r in job.ranks:
         setting = r["quiet setting"]

@@ -1,6 +1,8 @@
 """Horovod's Gloo reducescatter as hvdp's build makes it (one alltoallv and a local sum, buffers kept from call to
 call: :data:`hvdp.horovod_build.patches.GLOO_REDUCESCATTER`), at np=3, where a rank sums more than two blocks
-and some ranks receive no rows. One torch job checks every case; what every rank reports is asserted."""
+and some ranks receive no rows; and hvdp.allreduce past 256 KB, Gloo's ring from an input apart from its output
+(:data:`hvdp.horovod_build.direct_patches.GLOO_RING_FROM_INPUT`), where np=3 forwards reduced segments. One
+torch job checks every case; what every rank reports is asserted."""
 
 from __future__ import annotations
 
@@ -33,3 +35,14 @@ def test_ranks_with_no_rows_take_part(job):
     rows = [r["cases"]["lone float32 1 rows"]["shape"][0] for r in job.ranks]
     assert rows == [1, 0, 0]
     assert [r["cases"]["group float32 0 rows"]["shape"][0] for r in job.ranks] == [0, 0, 0]
+
+
+def test_the_ring_from_an_input_apart_sums_like_numpy_on_every_rank(job):
+    for r in job.ranks:
+        ring = r["ring"]
+        assert ring["ring calls"] == 9, ring  # every large call took the ring: 3 dtypes x new, out=, in place
+        for dtype in ("float32", "float64", "int64"):
+            for form in ("new", "out=", "in place"):
+                got = ring[f"{form} {dtype}"]
+                assert got["error"] <= TOLERANCE[dtype], (r["rank"], form, dtype, got)
+                assert got["input_kept"], (r["rank"], dtype, "out= changed the input")

@@ -155,6 +155,62 @@ def calls() -> Dict[str, Any]:
     return found
 
 
+def large_calls() -> Dict[str, Any]:
+    """hvdp.allreduce of tensors past the exchange's 256 KB (a header exchange, then Gloo's ring from the
+    tensor into the result) beside Horovod's path: new tensors, out= (another tensor, the tensor itself, a
+    NumPy array), a transposed input, and refusals of calls that differ between ranks."""
+    from hvdp.backends import torch_calls
+
+    rank, found, rings = hvdp.rank(), {}, []
+    entry = torch_calls._RING.entry
+    torch_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)  # counts the ring's calls
+
+    def both(value: torch.Tensor, op: str, key: str) -> Dict[str, Any]:
+        direct = hvdp.allreduce(value, op=op, name=f"large.{key}")
+        os.environ["HVDP_GRADIENT_PATH"] = "horovod"
+        try:
+            horovod = hvdp.allreduce(value, op=op, name=f"large.{key}.h")
+        finally:
+            del os.environ["HVDP_GRADIENT_PATH"]
+        return {"diff": float((direct.double() - horovod.double()).abs().max()), "dtype": str(direct.dtype),
+                "shape": list(direct.shape), "digest": digest(direct.double().numpy())}
+
+    try:
+        for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
+            for op in ("sum", "average") if dtype.is_floating_point else ("sum",):
+                value = ((torch.arange(300 * 257) % 97 + 5 * rank).reshape(300, 257)).to(dtype)
+                key = f"{str(dtype).replace('torch.', '')} {op}"
+                found[key] = both(value / 3 if dtype.is_floating_point else value * 7, op, key)
+        value = torch.arange(300 * 257, dtype=torch.float32).reshape(300, 257) * (rank + 1)
+        expected = torch.arange(300 * 257, dtype=torch.float32).reshape(300, 257) * 3
+        kept = value.clone()
+        out = torch.empty_like(value)
+        found["out="] = {"returned_out": hvdp.allreduce(value, op="sum", out=out) is out,
+                         "right": bool(torch.equal(out, expected)), "input unchanged": bool(torch.equal(value, kept))}
+        found["in place"] = {"returned_out": hvdp.allreduce(value, op="sum", out=value) is value,
+                             "right": bool(torch.equal(value, expected))}
+        array = np.full(100_000, 1.5) * (rank + 1)
+        np_out = np.empty_like(array)
+        found["numpy out="] = {"returned_out": hvdp.allreduce(array, op="sum", out=np_out) is np_out,
+                               "right": bool((np_out == 4.5).all())}
+        wide = torch.arange(300 * 257, dtype=torch.float32).reshape(300, 257) * (rank + 1)
+        found["transposed"] = {"right": bool(torch.equal(hvdp.allreduce(wide.t(), op="sum"), expected.t()))}
+        refusals = {}
+        for what, value, name in (("name", torch.ones(70_000), f"n{rank}"), ("shape", torch.ones(70_000 + rank), "s"),
+                                  ("dtype", torch.ones(70_000, dtype=torch.float32 if rank else torch.float64), "d")):
+            try:
+                hvdp.allreduce(value, op="sum", name=name)
+                refusals[what] = "no error"
+            except Exception as error:
+                refusals[what] = f"{type(error).__name__}: {error}"
+            refusals[f"after {what}"] = float(hvdp.allreduce(torch.ones(70_000), op="sum").sum())
+        found["refusals"] = refusals
+    finally:
+        torch_calls._RING.entry = entry
+    found["ring calls"] = len(rings)
+    return found
+
+
 def main() -> None:
     hvdp.init(framework="torch")
     assert torch_direct_calls.QUIET_MS == 50, "the quiet loop is on by default (HVDP_QUIET_LOOP_MS unset)"
@@ -171,6 +227,7 @@ def main() -> None:
     record["two optimizers"] = {path: two_optimizers(path) for path in ("direct", "horovod")}
     record["calls"] = calls()
     record["quiet setting"] = quiet_setting()
+    record["large calls"] = large_calls()
     write(hvdp.rank(), record)
 
 
