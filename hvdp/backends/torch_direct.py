@@ -14,7 +14,8 @@ says what is known already. This path skips it:
    the direct path at the same step; unequal ones keep Horovod's path (retried at most
    :data:`TRIES` times).
 2. **Direct steps.** A full bucket (a large gradient, or a gathered bucket once its gradients
-   are copied in), once all the buckets before it have gone, is handed to a sender thread,
+   are copied in), once all the buckets before it have gone, is handed to its lane's sender
+   thread (two for small gathered buckets, :data:`.torch_direct_buckets.TWO_LANES_BELOW`),
    which allreduces it with ``horovod_hvdp_direct_allreduce``
    (:data:`hvdp.horovod_build.patches.DIRECT_ALLREDUCE`) on Horovod's own Gloo context, while
    backward goes on. At the end of the backward pass the buckets not sent yet are sent, with
@@ -187,7 +188,7 @@ class DirectGradients:
             if places:
                 torch._foreach_copy_(places, grads)
         bucket.done.clear()
-        sender(self.allreduce).jobs.put((bucket.whole(), bucket.done, bucket.errors))
+        sender(self.allreduce, bucket.lane).jobs.put((bucket.whole(), bucket.done, bucket.errors))
         self.issued = b + 1
 
     # -- the step ------------------------------------------------------------------------------
@@ -322,6 +323,9 @@ class DirectGradients:
         dtype = order[0].dtype if order else torch.float32
         self.buckets = [Bucket(ours, extra=2 if b == len(buckets) - 1 else 0, in_place=in_place, dtype=dtype)
                         for b, (ours, in_place) in enumerate(buckets)]
+        for b, bucket in enumerate(self.buckets):
+            nbytes = bucket.offsets[-1] * (bucket.params[0].element_size() if bucket.params else 4)
+            bucket.lane = b % 2 if not bucket.in_place and nbytes < torch_direct_buckets.TWO_LANES_BELOW else 0
         self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.world, self.mode, self.tries = hvd.size(), "direct", 0
 

@@ -27,8 +27,10 @@ from horovod.common.exceptions import HorovodInternalError
 #: The environment variable that picks the gradient path: ``direct`` (the default) or ``horovod``.
 PATH_ENV = "HVDP_GRADIENT_PATH"
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
-#: The direct allreduce's channel for a torch optimizer's gradients (:class:`_Sender`; a Gloo tag of its own).
-GRADIENT_CHANNEL = 1
+#: The direct allreduce's channels for a torch optimizer's gradients, one per sender thread (:func:`sender`;
+#: each a Gloo tag of its own): a small bucket b goes by lane b % 2, so two can be on the wire at once
+#: (:data:`hvdp.backends.torch_direct_buckets.TWO_LANES_BELOW`).
+GRADIENT_CHANNELS = (1, 5)
 #: The direct allreduce's channel for a Keras optimizer's gradients (:class:`DirectGroup`).
 GROUP_CHANNEL = 3
 
@@ -101,16 +103,18 @@ class DirectAllreduce:
 
 
 class _Sender(threading.Thread):
-    """The thread that allreduces the buckets handed to it, in order (the GIL is free during each call).
+    """A thread that allreduces the buckets handed to it on its channel, in order (the GIL is free during each
+    call).
 
-    One for the process (:func:`sender`): every optimizer's buckets go through it in the order their
-    hooks handed them over, which is the same on every rank (two optimizers over one backward pass
-    fill their buckets in autograd's order); two threads on one channel could send them in either order.
+    Two for the process (:func:`sender`), one per lane: a bucket goes by the lane its plan gives it, in
+    the order the hooks hand them over, which is the same on every rank (two optimizers over one backward
+    pass fill their buckets in autograd's order). Two small buckets in flight at once, as DDP's process
+    group runs two Gloo threads; two threads on one channel could send its buckets in either order.
     """
 
-    def __init__(self, allreduce: DirectAllreduce) -> None:
-        super().__init__(name="hvdp-direct-allreduce", daemon=True)
-        self.allreduce = allreduce
+    def __init__(self, allreduce: DirectAllreduce, channel: int) -> None:
+        super().__init__(name=f"hvdp-direct-allreduce-{channel}", daemon=True)
+        self.allreduce, self.channel = allreduce, channel
         self.jobs: "queue.SimpleQueue[Optional[Tuple[torch.Tensor, threading.Event, List[str]]]]" = queue.SimpleQueue()
 
     failed = False  # a call failed: the jobs queued behind it are not run (the step is lost anyway)
@@ -125,7 +129,7 @@ class _Sender(threading.Thread):
                 if self.failed:
                     errors.append("not sent: an earlier bucket's allreduce failed")
                 else:
-                    self.allreduce(flat, GRADIENT_CHANNEL)
+                    self.allreduce(flat, self.channel)
             except Exception as error:  # handed to the waiting step, which raises it
                 self.failed = True
                 errors.append(str(error))
@@ -133,15 +137,17 @@ class _Sender(threading.Thread):
                 done.set()
 
 
-_SENDER: List[_Sender] = []
+_SENDERS: Dict[int, _Sender] = {}
 
 
-def sender(allreduce: DirectAllreduce) -> _Sender:
-    """The process's sender thread, started anew after a failed call (the jobs queued behind it were dropped)."""
-    if not _SENDER or not _SENDER[0].is_alive() or _SENDER[0].failed:
-        _SENDER[:] = [_Sender(allreduce)]
-        _SENDER[0].start()
-    return _SENDER[0]
+def sender(allreduce: DirectAllreduce, lane: int = 0) -> _Sender:
+    """The sender thread of ``lane``, started anew after a failed call (the jobs queued behind it were dropped)."""
+    channel = GRADIENT_CHANNELS[lane % len(GRADIENT_CHANNELS)]
+    found = _SENDERS.get(channel)
+    if found is None or not found.is_alive() or found.failed:
+        found = _SENDERS[channel] = _Sender(allreduce, channel)
+        found.start()
+    return found
 
 
 def usable_for(allreduce: "DirectAllreduce", tensors: Any) -> bool:

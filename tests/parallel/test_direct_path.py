@@ -12,7 +12,8 @@ import pytest
 from harness import max_abs_diff, run_worker
 
 CASES = ("average", "sum", "predivide", "two passes", "no_sync", "graph change", "in place", "in place, sum",
-         "in place, two passes", "in place, graph change")
+         "in place, two passes", "in place, graph change", "two lanes", "two lanes, two passes",
+         "two lanes, graph change")
 STEPS, SKIP_STEP = 8, 3
 
 
@@ -29,9 +30,13 @@ def test_direct_path_matches_horovods_on_every_rank(job, case):
         assert max_abs_diff(direct["params"], horovod["params"]) <= 1e-5, (r["rank"], case)
         assert horovod["counts"] is None and horovod["modes"] == [None] * STEPS  # the switch: Horovod's path only
         digests.add(direct["digest"])
-        # one bucket gathering every gradient, or the two hidden weights in place (in the order backward makes
-        # them) and the rest gathered last
-        assert direct["buckets"] == ([True, True, False] if case.startswith("in place") else [False]), case
+        # one bucket gathering every gradient; or the two hidden weights in place (in the order backward makes
+        # them) and the rest gathered last; or two small gathered buckets, on the two sender lanes
+        if case.startswith("two lanes"):
+            assert direct["buckets"] == [False, False] and direct["lanes"] == [0, 1], (case, direct["lanes"])
+        else:
+            assert direct["buckets"] == ([True, True, False] if case.startswith("in place") else [False]), case
+            assert set(direct["lanes"]) == {0}, (case, direct["lanes"])  # in-place buckets, and gathered bucket 0 or 2
         if "graph change" not in case:  # one learning step on Horovod's path, then the direct path to the end
             assert direct["modes"] == ["direct"] * STEPS, (r["rank"], case, direct["modes"])
             assert direct["counts"] == {"direct": STEPS - 1, "horovod": 1, "changes": 0}, (r["rank"], case)
@@ -43,7 +48,7 @@ def test_direct_path_matches_horovods_on_every_rank(job, case):
     assert len(digests) == 1, f"{case}: the replicas differ"
 
 
-@pytest.mark.parametrize("case", ["graph change", "in place, graph change"])
+@pytest.mark.parametrize("case", ["graph change", "in place, graph change", "two lanes, graph change"])
 def test_graph_change_on_one_rank_is_seen_by_every_rank_and_learnt_again(job, case):
     """Rank 1 skips the middle layer at step 3: both ranks count the change there, take Horovod's path for
     step 4 (learning), and are back on the direct path from step 5 (the skipped weight gathered, or in place)."""

@@ -55,15 +55,20 @@ def built(path: str, **options: Any) -> Any:
 
 
 def train(path: str, options: Dict[str, Any], skip_rank: int = -1, passes: int = 1,
-          local_first: bool = False, in_place: bool = False) -> Dict[str, Any]:
-    """``in_place``: the two hidden weights (6144 and 9216 elements) allreduced in their own .grad (else every
-    gradient is gathered into one bucket)."""
+          local_first: bool = False, in_place: bool = False, lanes: bool = False) -> Dict[str, Any]:
+    """``in_place``: the two hidden weights (6144 and 9216 elements) allreduced in their own .grad; ``lanes``:
+    gathered buckets of 5000 elements, two of them, on the two sender lanes (else every gradient is gathered
+    into one bucket)."""
+    from hvdp.backends import torch_buckets
     from hvdp.backends import torch_direct_buckets as buckets
-    buckets.IN_PLACE, default = (5000 if in_place else buckets.IN_PLACE), buckets.IN_PLACE
+    defaults = buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET
+    buckets.IN_PLACE = 5000 if in_place else buckets.IN_PLACE
+    if lanes:
+        torch_buckets.FIRST = torch_buckets.BUCKET = 5000
     try:
         return trained(path, options, skip_rank, passes, local_first)
     finally:
-        buckets.IN_PLACE = default
+        buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET = defaults
 
 
 def trained(path: str, options: Dict[str, Any], skip_rank: int, passes: int, local_first: bool) -> Dict[str, Any]:
@@ -91,7 +96,8 @@ def trained(path: str, options: Dict[str, Any], skip_rank: int, passes: int, loc
     return {"params": flat.tolist(), "digest": digest(flat), "modes": modes, "quiet": quiet,
             "big": [float(big.min()), float(big.max())], "quiet after big": torch_direct_calls.is_quiet(),
             "counts": None if direct is None else dict(direct.counts),
-            "buckets": None if direct is None else [b.in_place for b in direct.buckets]}
+            "buckets": None if direct is None else [b.in_place for b in direct.buckets],
+            "lanes": None if direct is None else [b.lane for b in direct.buckets]}
 
 
 def two_optimizers(path: str) -> Dict[str, Any]:
@@ -221,7 +227,10 @@ def main() -> None:
                 "graph change": ({}, {"skip_rank": 1}),
                 "in place": ({}, {"in_place": True}), "in place, sum": ({"op": "sum"}, {"in_place": True}),
                 "in place, two passes": ({"backward_passes_per_step": 2}, {"passes": 2, "in_place": True}),
-                "in place, graph change": ({}, {"skip_rank": 1, "in_place": True})}
+                "in place, graph change": ({}, {"skip_rank": 1, "in_place": True}),
+                "two lanes": ({}, {"lanes": True}), "two lanes, two passes": ({"backward_passes_per_step": 2},
+                                                                             {"passes": 2, "lanes": True}),
+                "two lanes, graph change": ({}, {"skip_rank": 1, "lanes": True})}
     for name, (options, how) in settings.items():
         record["cases"][name] = {path: train(path, options, **how) for path in ("direct", "horovod")}
     record["two optimizers"] = {path: two_optimizers(path) for path in ("direct", "horovod")}
