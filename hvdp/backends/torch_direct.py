@@ -323,9 +323,10 @@ class DirectGradients:
         dtype = order[0].dtype if order else torch.float32
         self.buckets = [Bucket(ours, extra=2 if b == len(buckets) - 1 else 0, in_place=in_place, dtype=dtype)
                         for b, (ours, in_place) in enumerate(buckets)]
-        for b, bucket in enumerate(self.buckets):
-            nbytes = bucket.offsets[-1] * (bucket.params[0].element_size() if bucket.params else 4)
-            bucket.lane = b % 2 if not bucket.in_place and nbytes < torch_direct_buckets.TWO_LANES_BELOW else 0
+        small = [not bucket.in_place and bucket.offsets[-1] * (bucket.params[0].element_size() if bucket.params else 4)
+                 < torch_direct_buckets.TWO_LANES_BELOW for bucket in self.buckets]
+        for b, bucket in enumerate(self.buckets):  # a small one after a small one on lane 0 takes lane 1
+            bucket.lane = int(b > 0 and small[b] and small[b - 1] and self.buckets[b - 1].lane == 0)
         self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.world, self.mode, self.tries = hvd.size(), "direct", 0
 

@@ -13,11 +13,11 @@ from hvdp.backends import torch_buckets
 #: Elements from which a gradient is allreduced in place, in its own ``.grad`` (1 MiB of float32): no copy
 #: into a bucket and back, at the cost of one call of its own. Read when the plan is made (a test may lower it).
 IN_PLACE = 1 << 18
-#: Gathered buckets under this many bytes go two at a time, bucket b by lane b % 2 (each lane a sender thread
-#: and a Gloo tag of its own): a small bucket's allreduce is mostly latency, and two overlap (the MLP's two
-#: 1 MB buckets: steps of 8.1-8.7 ms against 9.0-10.3 with one lane, DDP 8.8-9.1, three A/B runs). The
-#: others go one at a time, by lane 0: with ResNet-18's in-place buckets of 2.25 MB on two lanes too its
-#: step took 199-208 ms against 191-199 with one lane.
+#: Gathered buckets under this many bytes go two at a time: one right after another on lane 0 takes lane 1
+#: (each lane a sender thread and a Gloo tag of its own). A small bucket's allreduce is mostly latency, and
+#: two overlap (the MLP's two 1 MB buckets: steps of 8.1-8.7 ms against 9.0-10.3 with one lane, DDP 8.8-9.1,
+#: three A/B runs). The others go one at a time, by lane 0: with ResNet-18's in-place buckets of 2.25 MB on
+#: two lanes too its step took 199-208 ms against 191-199 with one lane.
 TWO_LANES_BELOW = 2 << 20
 
 

@@ -28,7 +28,7 @@ from horovod.common.exceptions import HorovodInternalError
 PATH_ENV = "HVDP_GRADIENT_PATH"
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
 #: The direct allreduce's channels for a torch optimizer's gradients, one per sender thread (:func:`sender`;
-#: each a Gloo tag of its own): a small bucket b goes by lane b % 2, so two can be on the wire at once
+#: each a Gloo tag of its own): two small buckets in a row go by lanes 0 and 1, both on the wire at once
 #: (:data:`hvdp.backends.torch_direct_buckets.TWO_LANES_BELOW`).
 GRADIENT_CHANNELS = (1, 5)
 #: The direct allreduce's channel for a Keras optimizer's gradients (:class:`DirectGroup`).
