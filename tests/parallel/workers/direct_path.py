@@ -8,7 +8,7 @@ test_core.py's uneven steps.)"""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -126,6 +126,16 @@ def two_optimizers(path: str) -> Dict[str, Any]:
             "counts": [None if o.gradient_path is None else dict(o.gradient_path.counts) for o in (body, head)]}
 
 
+def both_paths(value: torch.Tensor, op: str, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """hvdp.allreduce of ``value`` as it runs (direct), and the same call on Horovod's path."""
+    direct = hvdp.allreduce(value, op=op, name=name)
+    os.environ["HVDP_GRADIENT_PATH"] = "horovod"
+    try:
+        return direct, hvdp.allreduce(value, op=op, name=f"{name}.h")
+    finally:
+        del os.environ["HVDP_GRADIENT_PATH"]
+
+
 def calls() -> Dict[str, Any]:
     """hvdp.allreduce of small values (the direct exchange) beside the same call on Horovod's path, and the
     refusals of calls that differ between ranks; the call after each refusal must work."""
@@ -136,29 +146,30 @@ def calls() -> Dict[str, Any]:
             if dtype.is_floating_point:
                 value = value / 3
             key = f"{str(dtype).replace('torch.', '')} {op}"
-            direct = hvdp.allreduce(value, op=op, name=f"call.{key}")
-            os.environ["HVDP_GRADIENT_PATH"] = "horovod"
-            try:
-                horovod = hvdp.allreduce(value, op=op, name=f"call.{key}.h")
-            finally:
-                del os.environ["HVDP_GRADIENT_PATH"]
+            direct, horovod = both_paths(value, op, f"call.{key}")
             found[key] = {"direct": direct.tolist(), "horovod": horovod.tolist(), "dtype": str(direct.dtype),
                           "shape": list(direct.shape)}
     array = np.array([1.5, 2.5]) * (rank + 1)
     out = np.empty_like(array)
     found["numpy out="] = {"returned_out": hvdp.allreduce(array, op="sum", out=out) is out, "out": out.tolist()}
     found["numbers"] = [hvdp.allreduce(2.0 + rank), hvdp.allreduce(2 + rank, op="sum")]
-    refusals = {}
-    for what, value, name in (("name", torch.ones(4), f"n{rank}"), ("shape", torch.ones(4 + rank), "s"),
-                              ("dtype", torch.ones(4, dtype=torch.float32 if rank else torch.float64), "d")):
+    found["refusals"] = refused(4)
+    return found
+
+
+def refused(n: int) -> Dict[str, Any]:
+    """Calls of about ``n`` elements that differ between ranks by name, shape or dtype: each one's error, and the
+    total of the call of ``n`` ones after it (which must work)."""
+    rank, refusals = hvdp.rank(), {}
+    for what, value, name in (("name", torch.ones(n), f"n{rank}"), ("shape", torch.ones(n + rank), "s"),
+                              ("dtype", torch.ones(n, dtype=torch.float32 if rank else torch.float64), "d")):
         try:
             hvdp.allreduce(value, op="sum", name=name)
             refusals[what] = "no error"
         except Exception as error:
             refusals[what] = f"{type(error).__name__}: {error}"
-        refusals[f"after {what}"] = hvdp.allreduce(torch.ones(3), op="sum").tolist()
-    found["refusals"] = refusals
-    return found
+        refusals[f"after {what}"] = float(hvdp.allreduce(torch.ones(n), op="sum").sum())
+    return refusals
 
 
 def large_calls() -> Dict[str, Any]:
@@ -172,12 +183,7 @@ def large_calls() -> Dict[str, Any]:
     torch_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)  # counts the ring's calls
 
     def both(value: torch.Tensor, op: str, key: str) -> Dict[str, Any]:
-        direct = hvdp.allreduce(value, op=op, name=f"large.{key}")
-        os.environ["HVDP_GRADIENT_PATH"] = "horovod"
-        try:
-            horovod = hvdp.allreduce(value, op=op, name=f"large.{key}.h")
-        finally:
-            del os.environ["HVDP_GRADIENT_PATH"]
+        direct, horovod = both_paths(value, op, f"large.{key}")
         return {"diff": float((direct.double() - horovod.double()).abs().max()), "dtype": str(direct.dtype),
                 "shape": list(direct.shape), "digest": digest(direct.double().numpy())}
 
@@ -201,16 +207,7 @@ def large_calls() -> Dict[str, Any]:
                                "right": bool((np_out == 4.5).all())}
         wide = torch.arange(300 * 257, dtype=torch.float32).reshape(300, 257) * (rank + 1)
         found["transposed"] = {"right": bool(torch.equal(hvdp.allreduce(wide.t(), op="sum"), expected.t()))}
-        refusals = {}
-        for what, value, name in (("name", torch.ones(70_000), f"n{rank}"), ("shape", torch.ones(70_000 + rank), "s"),
-                                  ("dtype", torch.ones(70_000, dtype=torch.float32 if rank else torch.float64), "d")):
-            try:
-                hvdp.allreduce(value, op="sum", name=name)
-                refusals[what] = "no error"
-            except Exception as error:
-                refusals[what] = f"{type(error).__name__}: {error}"
-            refusals[f"after {what}"] = float(hvdp.allreduce(torch.ones(70_000), op="sum").sum())
-        found["refusals"] = refusals
+        found["refusals"] = refused(70_000)
     finally:
         torch_calls._RING.entry = entry
     found["ring calls"] = len(rings)
