@@ -29,7 +29,14 @@ import numpy as np
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from hvdp.backends.torch_direct_calls import _DTYPES, chosen_path, entry, quiet_loop, report_stall, timeout_ms
+from hvdp.backends.torch_direct_calls import (
+    DirectAllreduce,
+    chosen_path,
+    entry,
+    quiet_loop,
+    report_stall,
+    timeout_ms,
+)
 
 #: The direct exchange's channel for ``hvdp.allreduce`` calls (the caller's thread).
 CALL_CHANNEL = 2
@@ -117,25 +124,6 @@ class DirectExchange:
         return torch.from_numpy(result).view(tensor.shape)
 
 
-class DirectRing:
-    """The build's ``horovod_hvdp_direct_allreduce_from``: every rank's input summed into an output by
-    Gloo's ring, run by the calling thread."""
-
-    def __init__(self) -> None:
-        self.entry = entry("horovod_hvdp_direct_allreduce_from", ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
-                           ctypes.c_int)
-        self.error = ctypes.create_string_buffer(1024)
-
-    def __call__(self, tensor: torch.Tensor, result: torch.Tensor, name: Optional[str]) -> None:
-        assert self.entry is not None, "usable_for_large() is checked before any call"
-        code = self.entry(tensor.data_ptr(), result.data_ptr(), tensor.numel(), _DTYPES[tensor.dtype], LARGE_CHANNEL,
-                          timeout_ms(), self.error, len(self.error))
-        if code == 1 and b"imed out" in self.error.value:
-            report_stall(f"{name or 'unnamed'}", timeout_ms())
-        if code != 0:
-            raise HorovodInternalError(self.error.value.decode(errors="replace"))
-
-
 #: The most bytes of large results :class:`Results` keeps for reuse (the freed heap memory ``hvdp run``'s
 #: allocator settings keep too, :data:`hvdp.launch.defaults.MALLOC_TRIM_THRESHOLD`).
 RESULTS_MAX_BYTES = 256 << 20
@@ -168,7 +156,7 @@ class Results:
 
 
 _EXCHANGE = DirectExchange()
-_RING = DirectRing()
+_RING = DirectAllreduce()
 _RESULTS = Results()
 
 
@@ -195,7 +183,12 @@ def direct_call(tensor: torch.Tensor, op: str, name: Optional[str], whole_job: b
     with _LOCK:
         target = out if out is not None else _RESULTS.take(tensor.shape, tensor.dtype)
         _EXCHANGE.exchange(source, op, name)  # the headers agree on every rank, or every rank raises
-        _RING(source, target, name)
+        try:
+            _RING(source, LARGE_CHANNEL, into=target)
+        except HorovodInternalError as error:
+            if "imed out" in str(error):
+                report_stall(f"{name or 'unnamed'}", timeout_ms())
+            raise
     if op == "average":
         target.div_(size)
     return target

@@ -1,8 +1,9 @@
 """Direct calls on Horovod's own Gloo context, made by the calling thread without Horovod's rounds.
 
-hvdp's Horovod build adds two C entries (:data:`hvdp.horovod_build.direct_patches.DIRECT_ALLREDUCE`):
-a sum-allreduce in place (``horovod_hvdp_direct_allreduce``) and an exchange of every rank's message
-with every rank (``horovod_hvdp_direct_exchange``), each on a Gloo tag of its own. Here: their Python
+hvdp's Horovod build adds C entries (:data:`hvdp.horovod_build.direct_patches.DIRECT_ALLREDUCE`): a
+sum-allreduce in place or from an input into an output (``horovod_hvdp_direct_allreduce_from``) and an
+exchange of every rank's message with every rank (``horovod_hvdp_direct_exchange``), each call on a
+Gloo tag of its own. Here: their Python
 side, with the stall timeout and the stall report (:func:`timeout_ms`, :func:`report_stall`), the
 sender thread of torch's gradient path (:mod:`.torch_direct`), the quiet loop, and a Keras optimizer's
 gradients on the torch backend reduced together (:class:`DirectGroup`). ``hvdp.allreduce``'s direct
@@ -82,20 +83,22 @@ def entry(name: str, *middle: Any) -> Any:
 
 
 class DirectAllreduce:
-    """The build's ``horovod_hvdp_direct_allreduce``: a sum-allreduce in place, run by the calling thread."""
+    """The build's ``horovod_hvdp_direct_allreduce_from``: the sum of every rank's ``tensor`` in place, or into
+    ``into`` (Gloo's ring reading the tensor, writing the result), run by the calling thread."""
 
     def __init__(self) -> None:
-        self.entry = entry("horovod_hvdp_direct_allreduce", ctypes.c_longlong, ctypes.c_int, ctypes.c_int)
+        self.entry = entry("horovod_hvdp_direct_allreduce_from", ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
+                           ctypes.c_int)
 
     def usable(self) -> bool:
         """Built in, and the job runs on Gloo (MPI jobs keep Horovod's path)."""
         return self.entry is not None and bool(hvd.gloo_enabled())
 
-    def __call__(self, tensor: torch.Tensor, channel: int) -> None:
+    def __call__(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor] = None) -> None:
         assert self.entry is not None, "usable() is checked before any call"
         error = ctypes.create_string_buffer(1024)
-        code = self.entry(tensor.data_ptr(), tensor.numel(), _DTYPES[tensor.dtype], channel, timeout_ms(), error,
-                          len(error))
+        code = self.entry(tensor.data_ptr(), (tensor if into is None else into).data_ptr(), tensor.numel(),
+                          _DTYPES[tensor.dtype], channel, timeout_ms(), error, len(error))
         if code == 2:
             raise HorovodInternalError("hvdp's direct allreduce needs a Gloo job (this one runs on MPI).")
         if code != 0:
