@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # hvdp on one NVIDIA GPU, in one command that fits in 10 minutes on a machine with no network:
 # build Horovod with NCCL for the torch there (Gloo controller, no MPI), hvdp doctor, train
-# examples/train_digits.py on the GPU (np=1), hvdp's step time against plain torch on the same
-# GPU, and the equivalence checks one device allows (scripts/gpu_check.py). Every figure is
-# printed; a summary of the steps comes last, and the exit status is 1 if any step failed.
+# examples/train_digits.py on the GPU (np=1), hvdp's step time against plain torch and DDP (NCCL)
+# on the same GPU with the ratio hvdp / DDP, a 64 MB allreduce against torch.distributed's (NCCL)
+# with the bandwidth ratios, and the equivalence checks one device allows (scripts/gpu_check.py).
+# Every figure is printed; a summary of the steps comes last, and the exit status is 1 if any step
+# failed.
 #
 # What the GPU machine must have: Python with a CUDA build of torch and numpy, nvcc (CUDA_HOME,
 # on PATH, a pip nvcc wheel or /usr/local/cuda), NCCL (the pip nvidia-nccl-cu* wheel torch uses,

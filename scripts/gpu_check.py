@@ -1,6 +1,7 @@
 """The GPU checks of scripts/gpu-check.sh, run under ``hvdp run -np 1 --framework torch``.
 
-    gpu_check.py steptime    [--device cuda]  hvdp's DistributedOptimizer vs plain torch, ms per step
+    gpu_check.py steptime    [--device cuda]  hvdp's DistributedOptimizer vs plain torch and DDP (NCCL), ms
+                                              per step; a 64 MB allreduce, hvdp vs torch.distributed
     gpu_check.py equivalence [--device cuda]  what one device can prove: every DistributedOptimizer
                                               option against one process stepping without hvdp,
                                               collectives on device tensors, SyncBatchNorm, and
@@ -109,14 +110,33 @@ class AllreducedSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+def process_group(device: torch.device) -> str:
+    """torch.distributed's one-process group (NCCL on a GPU, Gloo on the CPU), for DDP and its allreduce."""
+    import socket
+
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return backend
+
+
 def steptime(device: torch.device, rounds: int, steps: int) -> Dict[str, Dict[str, Any]]:
     results: Dict[str, Dict[str, Any]] = {}
     cycle = os.environ.get("HOROVOD_CYCLE_TIME", "Horovod's default, 1")
+    ddp_name = f"DDP ({process_group(device)})"
     for kind in MODELS:
         build = MODELS[kind][0]
         contenders: Dict[str, Tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
         model = build(0).to(device)
         contenders["plain torch"] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            build(0).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+        contenders[ddp_name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
         model = build(0).to(device)
         wrapped = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), model)
         hvdp.broadcast_state(model, wrapped)
@@ -140,9 +160,41 @@ def steptime(device: torch.device, rounds: int, steps: int) -> Dict[str, Dict[st
         for name, ms in medians.items():
             print(f"     {name:<36} {ms:9.3f} ms/step  {ms - base:+8.3f} ms ({100 * (ms - base) / base:+6.1f} %)",
                   flush=True)
+        ratio = medians["hvdp.DistributedOptimizer"] / medians[ddp_name]
+        results[kind]["hvdp_over_ddp"] = ratio
+        print(f"     hvdp / {ddp_name}: {ratio:.3f}", flush=True)
         check(all(np.isfinite(list(medians.values()))) and min(medians.values()) > 0,
               f"step time {kind}: every contender measured")
     return results
+
+
+def allreduce_64mb(device: torch.device, calls: int) -> Dict[str, Any]:
+    """A 64 MB float32 allreduce: hvdp's new tensor and out= against torch.distributed's in place (NCCL on a
+    GPU), alternated call by call, median ms and the ratios of their bandwidths (peer time / hvdp time)."""
+    import torch.distributed as dist
+
+    backend = process_group(device)
+    tensor = torch.ones(16 << 20, device=device)
+    forms: Dict[str, Callable[[], Any]] = {
+        "hvdp.allreduce": lambda: hvdp.allreduce(tensor, op="sum", name="gpu_check.64mb"),
+        "hvdp.allreduce out=": lambda: hvdp.allreduce(tensor, op="sum", name="gpu_check.64mb.out", out=tensor),
+        f"torch.distributed all_reduce ({backend})": lambda: dist.all_reduce(tensor)}
+    times: Dict[str, List[float]] = {name: [] for name in forms}
+    for call in range(calls + 3):  # the first 3 of each left out (communicators, allocations)
+        for name, form in forms.items():
+            sync(device)
+            start = time.perf_counter()
+            form()
+            sync(device)
+            if call >= 3:
+                times[name].append(1e3 * (time.perf_counter() - start))
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    peer = medians[f"torch.distributed all_reduce ({backend})"]
+    print(f"allreduce 64 MB float32 on {device}, np={hvdp.size()} (medians of {calls} calls):", flush=True)
+    for name, ms in medians.items():
+        print(f"     {name:<36} {ms:9.3f} ms   bandwidth vs torch.distributed {peer / ms:6.3f}", flush=True)
+    check(all(np.isfinite(list(medians.values()))), "allreduce 64 MB: every form measured")
+    return {"median_ms": medians, "bandwidth_ratio": {name: peer / ms for name, ms in medians.items()}}
 
 
 # -- equivalence -------------------------------------------------------------------------------
@@ -336,6 +388,7 @@ def main() -> int:
     results: Dict[str, object] = {"device": str(device), "size": hvdp.size()}
     if args.check == "steptime":
         results["steptime"] = steptime(device, args.rounds, args.steps)
+        results["allreduce_64mb"] = allreduce_64mb(device, calls=max(5, args.rounds * 4))
     else:
         results["equivalence"] = equivalence(device)
     hvdp.shutdown()
