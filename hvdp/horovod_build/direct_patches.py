@@ -45,7 +45,7 @@ _CLOSING = (
 _TYPES = ("float", "double", "int32_t", "int64_t")
 _CASE = (
     "    case {code}:\n"
-    "      if (input != data) {{  // Gloo copies it in segment by segment, overlapped with the transfers\n"
+    "      if (input != data) {{  // the ring reduces from it and sends from it (GLOO_RING_FROM_INPUT)\n"
     "        opts.setInput<{type}>(static_cast<{type}*>(const_cast<void*>(input)), (size_t)count);\n"
     "      }}\n"
     "      opts.setOutput<{type}>(static_cast<{type}*>(data), (size_t)count);\n"
@@ -56,8 +56,8 @@ _CASE = (
 
 #: hvdp's direct calls (:mod:`hvdp.backends.torch_direct`, :mod:`hvdp.backends.torch_direct_calls`), run by
 #: the calling thread itself on the whole job's Gloo context, outside the background loop and its rounds:
-#: ``horovod_hvdp_direct_allreduce_from``, a sum-allreduce of an input into an output (Gloo copies the input
-#: in a segment at a time, overlapped with the ring's transfers; the same buffer: in place),
+#: ``horovod_hvdp_direct_allreduce_from``, a sum-allreduce of an input into an output (Gloo's ring reads the
+#: input where it is: :data:`GLOO_RING_FROM_INPUT`; the same buffer: in place),
 #: ``horovod_hvdp_direct_allreduce``, its in-place form, and ``horovod_hvdp_direct_exchange``,
 #: which sends this rank's message to every other rank into places of a fixed capacity (messages of
 #: different lengths arrive whole, where a collective on buffers of different sizes ends the process
