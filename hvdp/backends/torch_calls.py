@@ -175,9 +175,8 @@ def direct_call(tensor: torch.Tensor, op: str, name: Optional[str], whole_job: b
             out.copy_(result)
             return out
         return result
-    if _RING.entry is None or (out is not None and (
-            out.dtype != tensor.dtype or out.shape != tensor.shape or not out.is_contiguous())):
-        return None  # Horovod's path (and its checks of out)
+    if _RING.entry is None:
+        return None  # out= was checked already (hvdp.collectives: kind, shape, dtype, contiguous memory)
     source = tensor.detach().contiguous()
     quiet_loop(True)  # Horovod's loop has nothing to do meanwhile (a tensor submitted to it wakes it)
     with _LOCK:

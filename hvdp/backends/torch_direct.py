@@ -323,10 +323,7 @@ class DirectGradients:
         dtype = order[0].dtype if order else torch.float32
         self.buckets = [Bucket(ours, extra=2 if b == len(buckets) - 1 else 0, in_place=in_place, dtype=dtype)
                         for b, (ours, in_place) in enumerate(buckets)]
-        small = [not bucket.in_place and bucket.offsets[-1] * (bucket.params[0].element_size() if bucket.params else 4)
-                 < torch_direct_buckets.TWO_LANES_BELOW for bucket in self.buckets]
-        for b, bucket in enumerate(self.buckets):  # a small one after a small one on lane 0 takes lane 1
-            bucket.lane = int(b > 0 and small[b] and small[b - 1] and self.buckets[b - 1].lane == 0)
+        torch_direct_buckets.give_lanes(self.buckets)
         self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.world, self.mode, self.tries = hvd.size(), "direct", 0
 

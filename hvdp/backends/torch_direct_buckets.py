@@ -60,6 +60,15 @@ class Bucket:
         self.flat = grad.view(-1)
 
 
+def give_lanes(buckets: List[Bucket]) -> None:
+    """Each bucket's sender lane: a small gathered bucket (:data:`TWO_LANES_BELOW`) right after a small one on
+    lane 0 takes lane 1; every other bucket lane 0."""
+    small = [not bucket.in_place and bucket.offsets[-1] * (bucket.params[0].element_size() if bucket.params else 4)
+             < TWO_LANES_BELOW for bucket in buckets]
+    for b, bucket in enumerate(buckets):
+        bucket.lane = int(b > 0 and small[b] and small[b - 1] and buckets[b - 1].lane == 0)
+
+
 def cut(order: List[torch.nn.Parameter], big: int) -> List[Tuple[List[torch.nn.Parameter], bool]]:
     """The buckets, in the order they fill when gradients come in ``order``: each parameter of ``big`` elements
     or more alone (in place), the others gathered per dtype (the first bucket of a dtype about
