@@ -156,7 +156,7 @@ class Results:
 
 
 _EXCHANGE = DirectExchange()
-_RING = DirectAllreduce()
+_RING = DirectAllreduce(local=True)
 _RESULTS = Results()
 
 

@@ -25,6 +25,8 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
+from hvdp.backends.torch_shm import SharedMemory
+
 #: The environment variable that picks the gradient path: ``direct`` (the default) or ``horovod``.
 PATH_ENV = "HVDP_GRADIENT_PATH"
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
@@ -82,13 +84,25 @@ def entry(name: str, *middle: Any) -> Any:
     return found
 
 
+_LOCAL: List[Optional[SharedMemory]] = []
+
+
+def local_memory() -> Optional[SharedMemory]:
+    """The process's shared-memory allreduce (:mod:`.torch_shm`), or None in a build without the exchange."""
+    if not _LOCAL:
+        exchange = entry("horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int)
+        _LOCAL.append(None if exchange is None or not hvd.gloo_enabled() else SharedMemory(exchange, timeout_ms))
+    return _LOCAL[0]
+
+
 class DirectAllreduce:
     """The build's ``horovod_hvdp_direct_allreduce_from``: the sum of every rank's ``tensor`` in place, or into
     ``into`` (Gloo's ring reading the tensor, writing the result), run by the calling thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, local: bool = False) -> None:
         self.entry = entry("horovod_hvdp_direct_allreduce_from", ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
                            ctypes.c_int)
+        self.local = local  # through shared memory where every rank is on this machine (:mod:`.torch_shm`)
 
     def usable(self) -> bool:
         """Built in, and the job runs on Gloo (MPI jobs keep Horovod's path)."""
@@ -96,6 +110,15 @@ class DirectAllreduce:
 
     def __call__(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor] = None) -> None:
         assert self.entry is not None, "usable() is checked before any call"
+        local = local_memory() if self.local else None
+        if local is not None and local.serves(tensor):
+            local(tensor, channel, into, lambda: self.ring(tensor, channel, into))
+        else:
+            self.ring(tensor, channel, into)
+
+    def ring(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor] = None) -> None:
+        """Gloo's ring allreduce (the network stack, also between ranks of one machine)."""
+        assert self.entry is not None
         error = ctypes.create_string_buffer(1024)
         code = self.entry(tensor.data_ptr(), (tensor if into is None else into).data_ptr(), tensor.numel(),
                           _DTYPES[tensor.dtype], channel, timeout_ms(), error, len(error))

@@ -133,6 +133,39 @@ def test_large_calls_that_differ_between_ranks_are_refused_before_the_ring(job, 
         assert r["large calls"]["refusals"][f"after {what}"] == 140_000.0
 
 
+SHM_KEYS = ("float32 sum", "float32 average", "float64 sum", "int32 sum", "int64 sum")
+
+
+@pytest.mark.parametrize("key", SHM_KEYS)
+def test_allreduce_through_shared_memory_matches_horovods_path_on_every_rank(job, key):
+    for r in job.ranks:
+        got = r["shared memory"][key]
+        assert got["dtype"] == "torch." + key.split()[0] and got["numel"] > (8 << 20) // 4, got
+        assert got["diff"] <= (1e-4 if "32" in key else 1e-9), (r["rank"], key, got)
+
+
+def test_shared_memory_into_out_and_in_place_and_every_call_went_through_it(job):
+    for r in job.ranks:
+        got = r["shared memory"]
+        assert got["out="] == {"returned_out": True, "right": True, "input unchanged": True}, got["out="]
+        assert got["in place"] == {"returned_out": True, "right": True}
+        assert got["served"] == 5 + 2, got  # the five dtypes/ops, out=, in place (Horovod's path: its own)
+        assert got["ring, switched off"] is True
+        assert got["ring calls"] == 1, got  # only the call with shared memory switched off
+
+
+def test_shared_memory_refuses_sizes_that_differ_and_falls_back_to_the_ring_without_memory(job):
+    for r in job.ranks:
+        got = r["shared memory"]
+        assert got["sizes differ"].startswith("HorovodInternalError: Mismatched direct allreduce"), got
+        assert "every rank's bytes: [8392608, 8396704]" in got["sizes differ"], got["sizes differ"]
+        assert got["after the refusal"] == 2.0 * ((8 << 20) // 4 + 1000)
+        # rank 1 could not make its file: both ranks keep Gloo's ring on that channel, with the right sum
+        assert got["memory refused"] == {"right": True, "ring only": True, "served": 0}, got["memory refused"]
+        assert got["files left"] == [], got["files left"]
+        assert "HVDP_SHARED_MEMORY='yes'" in got["setting refused"] and "0 (Gloo's ring" in got["setting refused"]
+
+
 def test_the_quiet_loop_setting_is_read_and_refused_with_the_fix(job):
     for r in job.ranks:
         setting = r["quiet setting"]

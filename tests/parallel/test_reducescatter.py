@@ -1,7 +1,8 @@
 """Horovod's Gloo reducescatter as hvdp's build makes it (one alltoallv and a local sum, buffers kept from call to
 call: :data:`hvdp.horovod_build.patches.GLOO_REDUCESCATTER`), at np=3, where a rank sums more than two blocks
 and some ranks receive no rows; and hvdp.allreduce past 256 KB, Gloo's ring from an input apart from its output
-(:data:`hvdp.horovod_build.direct_patches.GLOO_RING_FROM_INPUT`), where np=3 forwards reduced segments. One
+(:data:`hvdp.horovod_build.direct_patches.GLOO_RING_FROM_INPUT`), where np=3 forwards reduced segments, and
+past 8 MB through shared memory (:mod:`hvdp.backends.torch_shm`), three places summed per segment. One
 torch job checks every case; what every rank reports is asserted."""
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ def test_ranks_with_no_rows_take_part(job):
     assert [r["cases"]["group float32 0 rows"]["shape"][0] for r in job.ranks] == [0, 0, 0]
 
 
-def test_the_ring_from_an_input_apart_sums_like_numpy_on_every_rank(job):
+@pytest.mark.parametrize("way", ["ring", "shared memory"])
+def test_the_ring_from_an_input_apart_and_shared_memory_sum_like_numpy_on_every_rank(job, way):
     for r in job.ranks:
-        ring = r["ring"]
-        assert ring["ring calls"] == 9, ring  # every large call took the ring: 3 dtypes x new, out=, in place
+        ring = r[way]
+        # every large call took its way: 3 dtypes x new, out=, in place
+        calls = {"ring calls": 9 if way == "ring" else 0, "shared memory calls": 0 if way == "ring" else 9}
+        assert {k: ring[k] for k in calls} == calls, ring
         for dtype in ("float32", "float64", "int64"):
             for form in ("new", "out=", "in place"):
                 got = ring[f"{form} {dtype}"]

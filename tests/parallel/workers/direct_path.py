@@ -214,6 +214,71 @@ def large_calls() -> Dict[str, Any]:
     return found
 
 
+def shared_memory_calls() -> Dict[str, Any]:
+    """hvdp.allreduce of tensors of SHM_MIN_BYTES and more, which go through shared memory (every rank is on this
+    machine), beside Horovod's path; a direct call whose sizes differ between ranks, refused on both; a rank
+    that cannot have the memory (its SHM_DIR missing), after which the channel keeps Gloo's ring on both."""
+    from hvdp.backends import torch_calls, torch_shm
+    from hvdp.backends.torch_direct_calls import DirectAllreduce, local_memory
+
+    rank, found, rings = hvdp.rank(), {}, []
+    local = local_memory()
+    assert local is not None and local.on, "a Gloo job of 2 ranks on one machine"
+    n = torch_shm.SHM_MIN_BYTES // 4 + 1000  # float32 elements: just past the threshold
+    entry = torch_calls._RING.entry
+    torch_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)  # counts the ring's calls
+    served = local.served
+    try:
+        for dtype, op in ((torch.float32, "sum"), (torch.float32, "average"), (torch.float64, "sum"),
+                          (torch.int32, "sum"), (torch.int64, "sum")):
+            value = ((torch.arange(n) % 101 + 7 * rank) * (rank + 1)).to(dtype)
+            direct, horovod = both_paths(value / 3 if dtype.is_floating_point else value, op, f"shm.{dtype}.{op}")
+            found[f"{str(dtype).replace('torch.', '')} {op}"] = {
+                "diff": float((direct.double() - horovod.double()).abs().max()), "dtype": str(direct.dtype),
+                "numel": direct.numel()}
+        value = torch.arange(n, dtype=torch.float32) * (rank + 1)
+        expected = torch.arange(n, dtype=torch.float32) * 3
+        kept, out = value.clone(), torch.empty_like(value)
+        found["out="] = {"returned_out": hvdp.allreduce(value, op="sum", out=out) is out,
+                         "right": bool(torch.equal(out, expected)), "input unchanged": bool(torch.equal(value, kept))}
+        found["in place"] = {"returned_out": hvdp.allreduce(value, op="sum", out=value) is value,
+                             "right": bool(torch.equal(value, expected))}
+        found["served"] = local.served - served
+        local.on = False  # HVDP_SHARED_MEMORY=0: Gloo's ring
+        try:
+            found["ring, switched off"] = bool(torch.equal(hvdp.allreduce(kept, op="sum"), expected))
+        finally:
+            local.on = True
+    finally:
+        torch_calls._RING.entry = entry
+    found["ring calls"] = len(rings)
+    allreduce = DirectAllreduce(local=True)
+    try:
+        allreduce(torch.ones(n + 1024 * rank), 6)  # 4 KB more on rank 1: refused before any memory is read
+        found["sizes differ"] = "no error"
+    except Exception as error:
+        found["sizes differ"] = f"{type(error).__name__}: {error}"
+    after = torch.ones(n)
+    allreduce(after, 6)
+    found["after the refusal"] = float(after.sum())
+    where = torch_shm.SHM_DIR
+    torch_shm.SHM_DIR = "/nonexistent-hvdp-shm" if rank == 1 else where  # rank 1 cannot have the memory
+    try:
+        served, value = local.served, torch.full((n,), float(rank + 1))
+        allreduce(value, 7)
+        found["memory refused"] = {"right": bool((value == 3.0).all()), "ring only": local.channels[7].ring_only,
+                                   "served": local.served - served}
+    finally:
+        torch_shm.SHM_DIR = where
+    found["files left"] = [f for state in local.channels.values() for f in state.files if os.path.exists(f)]
+    try:
+        torch_shm.enabled_from("yes")
+        found["setting refused"] = ""
+    except ValueError as error:
+        found["setting refused"] = str(error)
+    return found
+
+
 def main() -> None:
     hvdp.init(framework="torch")
     assert torch_direct_calls.QUIET_MS == 50, "the quiet loop is on by default (HVDP_QUIET_LOOP_MS unset)"
@@ -234,6 +299,7 @@ def main() -> None:
     record["calls"] = calls()
     record["quiet setting"] = quiet_setting()
     record["large calls"] = large_calls()
+    record["shared memory"] = shared_memory_calls()
     write(hvdp.rank(), record)
 
 

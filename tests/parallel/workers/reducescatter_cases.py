@@ -69,20 +69,33 @@ def main() -> None:
     got_group = hvd.grouped_reducescatter(mine_group, op=hvd.Sum, prescale_factor=2.0, name="group")
     for rows, s, got, mine, kept in zip(group_rows, salts, got_group, mine_group, kept_group):
         cases[f"group float32 {rows} rows"] = record(got, rows, "float32", s, 2.0, bool(torch.equal(mine, kept)))
-    write(rank, {"rank": rank, "size": hvdp.size(), "cases": cases, "ring": ring_cases()})
+    write(rank, {"rank": rank, "size": hvdp.size(), "cases": cases, "ring": ring_cases(RING_ROWS, False),
+                 "shared memory": ring_cases(SHM_ROWS, True)})
 
 
-def ring_cases() -> Dict[str, Any]:
-    """hvdp.allreduce past 256 KB (Gloo's ring from the input apart from the output, hvdp's build). At np=3 a
-    rank sends its first segments straight from its input and forwards segments it reduced, which np=2
-    never does. A new tensor, out= (another tensor, the tensor itself), against NumPy; the input unchanged."""
+#: Rows (of 3) per dtype: past 256 KB (Gloo's ring, shared memory switched off), or past 8 MB (shared memory).
+RING_ROWS = (("float32", 33_335), ("float64", 500_001), ("int64", 200_000))
+SHM_ROWS = (("float32", 700_001), ("float64", 350_003), ("int64", 400_000))
+
+
+def ring_cases(sizes: Any, shared: bool) -> Dict[str, Any]:
+    """hvdp.allreduce past 256 KB: Gloo's ring from the input apart from the output (hvdp's build), or past
+    8 MB, shared memory (every rank on this machine). At np=3 a rank sends its first segments straight from
+    its input and forwards segments it reduced, which np=2 never does; in shared memory each rank sums one
+    segment of three places. A new tensor, out= (another tensor, the tensor itself), against NumPy; the input
+    unchanged."""
     from hvdp.backends import torch_calls
+    from hvdp.backends.torch_direct_calls import local_memory
 
     rank, size, found, rings = hvdp.rank(), hvdp.size(), {}, []
+    local = local_memory()
+    served = local.served if local is not None else 0
+    if local is not None:
+        local.on = shared  # off: as HVDP_SHARED_MEMORY=0
     entry = torch_calls._RING.entry
     torch_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)
     try:
-        for salt, (dtype, rows) in enumerate((("float32", 33_335), ("float64", 500_001), ("int64", 200_000)), 100):
+        for salt, (dtype, rows) in enumerate(sizes, 100):
             want = np.sum([drawn(r, rows, dtype, salt).astype(np.float64) for r in range(size)], axis=0)
             mine = torch.from_numpy(drawn(rank, rows, dtype, salt))
             kept = mine.clone()
@@ -96,7 +109,10 @@ def ring_cases() -> Dict[str, Any]:
                 found[f"{form} {dtype}"] = {"error": error, "input_kept": input_kept}
     finally:
         torch_calls._RING.entry = entry
+        if local is not None:
+            local.on = True
     found["ring calls"] = len(rings)
+    found["shared memory calls"] = (local.served if local is not None else 0) - served
     return found
 
 
