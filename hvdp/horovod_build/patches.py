@@ -18,15 +18,15 @@ from typing import Any, Dict, Tuple
 
 from hvdp.frameworks import SPECS
 from hvdp.horovod_build import tensorflow_patches, torch_patches
-from hvdp.horovod_build.direct_patches import DIRECT_ALLREDUCE, GLOO_RING_FROM_INPUT, QUIET_LOOP
+from hvdp.horovod_build.direct_patches import DIRECT_ALLREDUCE, GLOO_NO_SPIN, GLOO_RING_FROM_INPUT, QUIET_LOOP
 from hvdp.horovod_build.patch import Patch
 from hvdp.horovod_build.tensorflow_patches import KERAS3_PATCHES
 
 #: Each framework's changes, by hvdp's name for it: a module with CMAKE_PATCHES, PYTHON_PATCHES, GPU_PATCHES.
 FRAMEWORK_PATCHES: Dict[str, Any] = {"torch": torch_patches, "tensorflow": tensorflow_patches}
 
-__all__ = ["DIRECT_ALLREDUCE", "EARLY_WAKE", "GLOO_REDUCESCATTER", "GLOO_RING_FROM_INPUT", "GPU_PATCHES",
-           "KERAS3_PATCHES", "PATCHES", "PATCH_LEVEL", "Patch", "QUIET_LOOP"]
+__all__ = ["DIRECT_ALLREDUCE", "EARLY_WAKE", "GLOO_NO_SPIN", "GLOO_REDUCESCATTER", "GLOO_RING_FROM_INPUT",
+           "GPU_PATCHES", "KERAS3_PATCHES", "PATCHES", "PATCH_LEVEL", "Patch", "QUIET_LOOP"]
 
 #: Bump whenever the patches change in a way their text does not show, so cached wheels are rebuilt.
 PATCH_LEVEL = 5
@@ -334,6 +334,7 @@ PATCHES: Tuple[Patch, ...] = (
     *EARLY_WAKE,
     *DIRECT_ALLREDUCE,
     *GLOO_RING_FROM_INPUT,
+    *GLOO_NO_SPIN,
     *QUIET_LOOP,
     *(patch for name in SPECS for patch in FRAMEWORK_PATCHES[name].PYTHON_PATCHES),
 )
