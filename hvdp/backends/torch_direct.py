@@ -17,7 +17,8 @@ says what is known already. This path skips it:
    are copied in), once all the buckets before it have gone, is handed to its lane's sender
    thread (two for small gathered buckets, :data:`.torch_direct_buckets.TWO_LANES_BELOW`),
    which allreduces it with ``horovod_hvdp_direct_allreduce``
-   (:data:`hvdp.horovod_build.patches.DIRECT_ALLREDUCE`) on Horovod's own Gloo context, while
+   (:data:`hvdp.horovod_build.patches.DIRECT_ALLREDUCE`) on Horovod's own Gloo context (a bucket of 8 MB
+   or more, every rank on one machine: through shared memory, :mod:`.torch_shm`), while
    backward goes on. At the end of the backward pass the buckets not sent yet are sent, with
    zeros where a parameter got no gradient this pass (what Horovod's ``synchronize`` gives such
    a parameter), and the averages go into ``.grad``. Every rank sends every bucket, in the
@@ -102,7 +103,7 @@ class DirectGradients:
     def __init__(self, optimizer: Any, names: Dict[torch.nn.Parameter, str], scale: Callable[[], float],
                  joining: Callable[[], bool]) -> None:
         self.optimizer, self.names, self.scale, self.joining = optimizer, names, scale, joining
-        self.allreduce = DirectAllreduce()
+        self.allreduce = DirectAllreduce(local=True)  # a bucket of 8 MB or more: through shared memory
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self.index = {p: i for i, p in enumerate(self.params)}
         self.mode = "learn"

@@ -4,10 +4,11 @@ Where every rank of a Gloo job runs on one machine (``hvd.local_size() == hvd.si
 still sends every byte through the kernel's TCP loopback: each byte is copied into the kernel and out
 again, on the same cores the model's compute runs on. Here each rank has, per channel, one file in
 ``/dev/shm`` mapped by every rank: a place for its tensor and one for its segment of the result.
-``hvdp.allreduce``'s large calls (:mod:`.torch_calls`, :data:`SHM_MIN_BYTES` and more) take it; the
-gradient buckets keep Gloo's ring, run by their sender threads without the GIL (through shared memory,
-this module's Python steps on those threads made the steps no shorter: CNN 75.0 ms against 72.1 with the
-ring, ResNet-18 189.2 against 185.4, MLP 8.5 against 8.2, one A/B of three alternated rounds).
+``hvdp.allreduce``'s large calls (:mod:`.torch_calls`) and torch's gradient buckets
+(:mod:`.torch_direct`, from their sender thread) of :data:`SHM_MIN_BYTES` and more take it: ResNet-18's
+step 166.8 ms against 172.9 with the ring (its four 9.4 MB weights; five alternated rounds). Smaller
+buckets keep Gloo's ring, one C call without the GIL: with every bucket from 64 KB here, the MLP's step
+was slower (6.0 ms against 5.6).
 
 1. Each rank copies its tensor into its place; every rank's header (bytes, dtype, call count) goes to
    every rank by one direct exchange (``horovod_hvdp_direct_exchange``), which is also the barrier: all
@@ -85,9 +86,8 @@ class SharedMemory:
         self.on = (exchange is not None and enabled_from(os.environ.get(SHM_ENV)) and self.size >= 2
                    and hvd.local_size() == self.size and os.path.isdir(SHM_DIR))
         self.channels: Dict[int, _Channel] = {}
-        self.inboxes: Dict[int, Any] = {}
-        self.error = ctypes.create_string_buffer(1024)
-        self.token = 0  # rank 0's, in every file's name: this job's files apart from another's
+        self.inboxes: Dict[int, Any] = {}  # per channel: channels may be used by different threads at once
+        self.errors: Dict[int, Any] = {}
         self.served = 0  # calls that went through shared memory (for tests and the bench)
 
     def serves(self, tensor: torch.Tensor) -> bool:
@@ -104,11 +104,14 @@ class SharedMemory:
         inbox = self.inboxes.get(channel)
         if inbox is None or inbox.shape[0] != self.size:
             inbox = self.inboxes[channel] = np.zeros((self.size, _HEADER // 8), dtype=np.int64)
+        error = self.errors.get(channel)
+        if error is None:
+            error = self.errors[channel] = ctypes.create_string_buffer(1024)
         inbox[self.rank, :len(values)] = values
         code = self.exchange_entry(inbox.ctypes.data, _HEADER, 8 * len(values), channel, self.timeout_ms(),
-                                   self.error, len(self.error))
+                                   error, len(error))
         if code != 0:
-            raise HorovodInternalError(self.error.value.decode(errors="replace") if code == 1 else
+            raise HorovodInternalError(error.value.decode(errors="replace") if code == 1 else
                                        "hvdp's shared-memory allreduce needs a Gloo job (this one runs on MPI).")
         return inbox[:, :len(values)]
 
@@ -129,9 +132,8 @@ class SharedMemory:
                 f"Mismatched direct allreduce on channel {channel}: ranks passed tensors of different sizes or "
                 f"dtypes, or a different number of calls (here: call {state.calls}, {tensor.dtype}, {nbytes} "
                 f"bytes; every rank's bytes: {everyone[:, 1].tolist()}).")
-        if grow:
-            self.token = int(everyone[0, 4])
-            self.grow(state, channel, nbytes)
+        if grow:  # rank 0's token in the files' names: this job's files apart from another's
+            self.grow(state, channel, nbytes, int(everyone[0, 4]))
             if not state.ring_only:
                 state.places[self.rank][:nbytes].view(tensor.dtype).copy_(tensor.reshape(-1))
                 self.headers(channel, [_MARK, state.calls])  # every place written
@@ -155,13 +157,13 @@ class SharedMemory:
             if b > a:
                 target[a:b].copy_(state.results[r].view(tensor.dtype)[:b - a])
 
-    def grow(self, state: _Channel, channel: int, nbytes: int) -> None:
+    def grow(self, state: _Channel, channel: int, nbytes: int, token: int) -> None:
         """Every rank's files for ``channel`` at a new size (all ranks at once): made, mapped by all, unlinked.
         A rank that cannot have the memory says so; then every rank keeps Gloo's ring on this channel."""
         capacity = -(-nbytes // (1 << 20)) * (1 << 20)  # whole MiB
         result_bytes = _segment(capacity, 1, self.size)
         total = capacity + result_bytes
-        name = os.path.join(SHM_DIR, f"hvdp-{self.token:x}-c{channel}-{capacity >> 20}m-r{{}}")
+        name = os.path.join(SHM_DIR, f"hvdp-{token:x}-c{channel}-{capacity >> 20}m-r{{}}")
         state.files = [name.format(r) for r in range(self.size)]
         ok = 1
         try:

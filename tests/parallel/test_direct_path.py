@@ -13,7 +13,7 @@ from harness import max_abs_diff, run_worker
 
 CASES = ("average", "sum", "predivide", "two passes", "no_sync", "graph change", "in place", "in place, sum",
          "in place, two passes", "in place, graph change", "two lanes", "two lanes, two passes",
-         "two lanes, graph change")
+         "two lanes, graph change", "shared memory", "in place, shared memory", "graph change, shared memory")
 STEPS, SKIP_STEP = 8, 3
 
 
@@ -131,6 +131,20 @@ def test_large_calls_that_differ_between_ranks_are_refused_before_the_ring(job, 
         assert refusal.startswith("TensorMismatchError: "), (r["rank"], refusal)
         assert "rank 0: " in refusal and "rank 1: " in refusal, refusal
         assert r["large calls"]["refusals"][f"after {what}"] == 140_000.0
+
+
+def test_buckets_go_through_shared_memory_from_its_threshold_and_by_the_ring_below_it(job):
+    """Buckets of 8 MB and more go through shared memory (every rank on this machine); the cases with the
+    threshold lowered to 1 byte sent every direct step's buckets that way, and gave Horovod's path's result
+    (test_direct_path_matches_horovods_on_every_rank); the model's own buckets, all far below 8 MB, never."""
+    for r in job.ranks:
+        for case in CASES:
+            direct = r["cases"][case]["direct"]
+            calls = direct["shared memory calls"]
+            if "shared memory" in case:
+                assert calls >= direct["counts"]["direct"] * len(direct["buckets"]) > 0, (case, calls, direct["counts"])
+            else:
+                assert calls == 0, (case, calls)
 
 
 SHM_KEYS = ("float32 sum", "float32 average", "float64 sum", "int32 sum", "int64 sum")

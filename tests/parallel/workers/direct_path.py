@@ -55,20 +55,25 @@ def built(path: str, **options: Any) -> Any:
 
 
 def train(path: str, options: Dict[str, Any], skip_rank: int = -1, passes: int = 1,
-          local_first: bool = False, in_place: bool = False, lanes: bool = False) -> Dict[str, Any]:
+          local_first: bool = False, in_place: bool = False, lanes: bool = False, shm: bool = False) -> Dict[str, Any]:
     """``in_place``: the two hidden weights (6144 and 9216 elements) allreduced in their own .grad; ``lanes``:
     gathered buckets of 5000 elements, two of them, on the two sender lanes (else every gradient is gathered
-    into one bucket)."""
-    from hvdp.backends import torch_buckets
+    into one bucket); ``shm``: every bucket through shared memory (its threshold, 8 MB, lowered to 1 byte)."""
+    from hvdp.backends import torch_buckets, torch_shm
     from hvdp.backends import torch_direct_buckets as buckets
-    defaults = buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET
+    defaults = buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET, torch_shm.SHM_MIN_BYTES
     buckets.IN_PLACE = 5000 if in_place else buckets.IN_PLACE
     if lanes:
         torch_buckets.FIRST = torch_buckets.BUCKET = 5000
+    torch_shm.SHM_MIN_BYTES = 1 if shm else torch_shm.SHM_MIN_BYTES
+    local = torch_direct_calls.local_memory()
+    served = local.served if local is not None else 0
     try:
-        return trained(path, options, skip_rank, passes, local_first)
+        found = trained(path, options, skip_rank, passes, local_first)
     finally:
-        buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET = defaults
+        buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET, torch_shm.SHM_MIN_BYTES = defaults
+    found["shared memory calls"] = (local.served if local is not None else 0) - served
+    return found
 
 
 def trained(path: str, options: Dict[str, Any], skip_rank: int, passes: int, local_first: bool) -> Dict[str, Any]:
@@ -292,7 +297,9 @@ def main() -> None:
                 "in place, graph change": ({}, {"skip_rank": 1, "in_place": True}),
                 "two lanes": ({}, {"lanes": True}), "two lanes, two passes": ({"backward_passes_per_step": 2},
                                                                              {"passes": 2, "lanes": True}),
-                "two lanes, graph change": ({}, {"skip_rank": 1, "lanes": True})}
+                "two lanes, graph change": ({}, {"skip_rank": 1, "lanes": True}),
+                "shared memory": ({}, {"shm": True}), "in place, shared memory": ({}, {"in_place": True, "shm": True}),
+                "graph change, shared memory": ({}, {"skip_rank": 1, "shm": True})}
     for name, (options, how) in settings.items():
         record["cases"][name] = {path: train(path, options, **how) for path in ("direct", "horovod")}
     record["two optimizers"] = {path: two_optimizers(path) for path in ("direct", "horovod")}
