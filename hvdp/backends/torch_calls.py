@@ -32,7 +32,7 @@ from horovod.common.exceptions import HorovodInternalError
 from hvdp.backends.torch_direct_calls import (
     DirectAllreduce,
     chosen_path,
-    entry,
+    exchange_entry,
     quiet_loop,
     report_stall,
     timeout_ms,
@@ -64,7 +64,7 @@ class DirectExchange:
     """
 
     def __init__(self) -> None:
-        self.entry = entry("horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int)
+        self.entry = exchange_entry()
         self.inbox: Optional[torch.Tensor] = None  # every rank's place, kept from call to call
         # Its NumPy views: (ranks, capacity) bytes, and the headers' first (ranks, 3) int64.
         self.places: Any = np.empty((0, 0), dtype=np.uint8)

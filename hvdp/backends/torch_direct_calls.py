@@ -84,13 +84,19 @@ def entry(name: str, *middle: Any) -> Any:
     return found
 
 
+def exchange_entry() -> Any:
+    """The build's ``horovod_hvdp_direct_exchange`` (None in a build without it): every rank's message to every
+    rank (the small ``hvdp.allreduce`` calls' exchange, and the shared memory's headers and barriers)."""
+    return entry("horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int)
+
+
 _LOCAL: List[Optional[SharedMemory]] = []
 
 
 def local_memory() -> Optional[SharedMemory]:
     """The process's shared-memory allreduce (:mod:`.torch_shm`), or None in a build without the exchange."""
     if not _LOCAL:
-        exchange = entry("horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int)
+        exchange = exchange_entry()
         _LOCAL.append(None if exchange is None or not hvd.gloo_enabled() else SharedMemory(exchange, timeout_ms))
     return _LOCAL[0]
 

@@ -8,7 +8,8 @@ test_core.py's uneven steps.)"""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Tuple
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -131,6 +132,37 @@ def two_optimizers(path: str) -> Dict[str, Any]:
             "counts": [None if o.gradient_path is None else dict(o.gradient_path.counts) for o in (body, head)]}
 
 
+@contextmanager
+def counted_rings() -> Iterator[List[int]]:
+    """Inside: every call of Gloo's ring by hvdp.allreduce's large calls, counted (its element counts)."""
+    from hvdp.backends import torch_calls
+
+    rings: List[int] = []
+    entry = torch_calls._RING.entry
+    torch_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)
+    try:
+        yield rings
+    finally:
+        torch_calls._RING.entry = entry
+
+
+def compared(value: torch.Tensor, op: str, name: str) -> Dict[str, Any]:
+    """hvdp.allreduce of ``value`` as it runs beside Horovod's path: the largest difference, and the result's kind."""
+    direct, horovod = both_paths(value, op, name)
+    return {"diff": float((direct.double() - horovod.double()).abs().max()), "dtype": str(direct.dtype),
+            "shape": list(direct.shape), "numel": direct.numel(), "digest": digest(direct.double().numpy())}
+
+
+def into_out_and_in_place(value: torch.Tensor, expected: torch.Tensor) -> Dict[str, Any]:
+    """hvdp.allreduce (sum) of ``value`` into another tensor (the input must stay), then into itself."""
+    kept, out = value.clone(), torch.empty_like(value)
+    found = {"out=": {"returned_out": hvdp.allreduce(value, op="sum", out=out) is out,
+                      "right": bool(torch.equal(out, expected)), "input unchanged": bool(torch.equal(value, kept))}}
+    found["in place"] = {"returned_out": hvdp.allreduce(value, op="sum", out=value) is value,
+                         "right": bool(torch.equal(value, expected))}
+    return found
+
+
 def both_paths(value: torch.Tensor, op: str, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """hvdp.allreduce of ``value`` as it runs (direct), and the same call on Horovod's path."""
     direct = hvdp.allreduce(value, op=op, name=name)
@@ -181,31 +213,16 @@ def large_calls() -> Dict[str, Any]:
     """hvdp.allreduce of tensors past the exchange's 256 KB (a header exchange, then Gloo's ring from the
     tensor into the result) beside Horovod's path: new tensors, out= (another tensor, the tensor itself, a
     NumPy array), a transposed input, and refusals of calls that differ between ranks."""
-    from hvdp.backends import torch_calls
-
-    rank, found, rings = hvdp.rank(), {}, []
-    entry = torch_calls._RING.entry
-    torch_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)  # counts the ring's calls
-
-    def both(value: torch.Tensor, op: str, key: str) -> Dict[str, Any]:
-        direct, horovod = both_paths(value, op, f"large.{key}")
-        return {"diff": float((direct.double() - horovod.double()).abs().max()), "dtype": str(direct.dtype),
-                "shape": list(direct.shape), "digest": digest(direct.double().numpy())}
-
-    try:
+    rank, found = hvdp.rank(), {}
+    with counted_rings() as rings:
         for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
             for op in ("sum", "average") if dtype.is_floating_point else ("sum",):
                 value = ((torch.arange(300 * 257) % 97 + 5 * rank).reshape(300, 257)).to(dtype)
                 key = f"{str(dtype).replace('torch.', '')} {op}"
-                found[key] = both(value / 3 if dtype.is_floating_point else value * 7, op, key)
+                found[key] = compared(value / 3 if dtype.is_floating_point else value * 7, op, f"large.{key}")
         value = torch.arange(300 * 257, dtype=torch.float32).reshape(300, 257) * (rank + 1)
         expected = torch.arange(300 * 257, dtype=torch.float32).reshape(300, 257) * 3
-        kept = value.clone()
-        out = torch.empty_like(value)
-        found["out="] = {"returned_out": hvdp.allreduce(value, op="sum", out=out) is out,
-                         "right": bool(torch.equal(out, expected)), "input unchanged": bool(torch.equal(value, kept))}
-        found["in place"] = {"returned_out": hvdp.allreduce(value, op="sum", out=value) is value,
-                             "right": bool(torch.equal(value, expected))}
+        found.update(into_out_and_in_place(value, expected))
         array = np.full(100_000, 1.5) * (rank + 1)
         np_out = np.empty_like(array)
         found["numpy out="] = {"returned_out": hvdp.allreduce(array, op="sum", out=np_out) is np_out,
@@ -213,8 +230,6 @@ def large_calls() -> Dict[str, Any]:
         wide = torch.arange(300 * 257, dtype=torch.float32).reshape(300, 257) * (rank + 1)
         found["transposed"] = {"right": bool(torch.equal(hvdp.allreduce(wide.t(), op="sum"), expected.t()))}
         found["refusals"] = refused(70_000)
-    finally:
-        torch_calls._RING.entry = entry
     found["ring calls"] = len(rings)
     return found
 
@@ -223,39 +238,29 @@ def shared_memory_calls() -> Dict[str, Any]:
     """hvdp.allreduce of tensors of SHM_MIN_BYTES and more, which go through shared memory (every rank is on this
     machine), beside Horovod's path; a direct call whose sizes differ between ranks, refused on both; a rank
     that cannot have the memory (its SHM_DIR missing), after which the channel keeps Gloo's ring on both."""
-    from hvdp.backends import torch_calls, torch_shm
+    from hvdp.backends import torch_shm
     from hvdp.backends.torch_direct_calls import DirectAllreduce, local_memory
 
-    rank, found, rings = hvdp.rank(), {}, []
+    rank, found = hvdp.rank(), {}
     local = local_memory()
     assert local is not None and local.on, "a Gloo job of 2 ranks on one machine"
     n = torch_shm.SHM_MIN_BYTES // 4 + 1000  # float32 elements: just past the threshold
-    entry = torch_calls._RING.entry
-    torch_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)  # counts the ring's calls
     served = local.served
-    try:
+    with counted_rings() as rings:
         for dtype, op in ((torch.float32, "sum"), (torch.float32, "average"), (torch.float64, "sum"),
                           (torch.int32, "sum"), (torch.int64, "sum")):
             value = ((torch.arange(n) % 101 + 7 * rank) * (rank + 1)).to(dtype)
-            direct, horovod = both_paths(value / 3 if dtype.is_floating_point else value, op, f"shm.{dtype}.{op}")
-            found[f"{str(dtype).replace('torch.', '')} {op}"] = {
-                "diff": float((direct.double() - horovod.double()).abs().max()), "dtype": str(direct.dtype),
-                "numel": direct.numel()}
-        value = torch.arange(n, dtype=torch.float32) * (rank + 1)
+            found[f"{str(dtype).replace('torch.', '')} {op}"] = compared(
+                value / 3 if dtype.is_floating_point else value, op, f"shm.{dtype}.{op}")
         expected = torch.arange(n, dtype=torch.float32) * 3
-        kept, out = value.clone(), torch.empty_like(value)
-        found["out="] = {"returned_out": hvdp.allreduce(value, op="sum", out=out) is out,
-                         "right": bool(torch.equal(out, expected)), "input unchanged": bool(torch.equal(value, kept))}
-        found["in place"] = {"returned_out": hvdp.allreduce(value, op="sum", out=value) is value,
-                             "right": bool(torch.equal(value, expected))}
+        found.update(into_out_and_in_place(torch.arange(n, dtype=torch.float32) * (rank + 1), expected))
         found["served"] = local.served - served
         local.on = False  # HVDP_SHARED_MEMORY=0: Gloo's ring
         try:
-            found["ring, switched off"] = bool(torch.equal(hvdp.allreduce(kept, op="sum"), expected))
+            mine = torch.arange(n, dtype=torch.float32) * (rank + 1)
+            found["ring, switched off"] = bool(torch.equal(hvdp.allreduce(mine, op="sum"), expected))
         finally:
             local.on = True
-    finally:
-        torch_calls._RING.entry = entry
     found["ring calls"] = len(rings)
     allreduce = DirectAllreduce(local=True)
     try:
