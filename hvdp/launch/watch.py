@@ -141,7 +141,8 @@ class JobWatcher:
 
     def summary(self, returncode: int) -> str:
         """One line for the user: which ranks failed or stalled, and that the job was ended."""
-        if self.stalled:
+        gone = {rank for _, rank, _, _ in self.silences} | {rank for _, rank, _ in self.losses}
+        if self.stalled and not set(self.stalled) <= gone:  # a rank that went silent or was lost: that is why
             ranks = "; ".join(f"rank {r} never submitted {t}" for r, t in sorted(self.stalled.items()))
             return (f"hvdp: the job was ended: {ranks} (stalled longer than --stall-timeout). "
                     + (models_differ(self.missing) or

@@ -51,6 +51,23 @@ def podman(*argv: str, timeout: float = 120, check: bool = True) -> subprocess.C
     return out
 
 
+def pause(container: str, tries: int = 5) -> None:
+    """`podman pause CONTAINER`, tried again when the freeze fails. Under cgroup v1 runc freezes a
+    container by retrying for about 2 s and then thaws it and says "unable to freeze" (runc calls this a
+    game of chances); measured here once in a CI run, on 2 cores busy with three Compose jobs. After that
+    error the container runs on, so trying again is safe."""
+    failures = []
+    for _ in range(tries):
+        out = podman("pause", container, check=False)
+        if out.returncode == 0:
+            return
+        failures.append(out.stderr.strip())
+        if "unable to freeze" not in out.stderr:
+            break
+        time.sleep(1)
+    raise RuntimeError(f"podman pause {container} failed {len(failures)} time(s): " + " | ".join(failures))
+
+
 @dataclass
 class Built:
     tag: str

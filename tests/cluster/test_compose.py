@@ -150,7 +150,7 @@ def test_compose_exits_with_the_launcher_code(project):
 FAULTS = {
     # fault: (what is done to worker2's container, the bound on the end of the job after it)
     "kill": (lambda p: pm.podman("kill", p.container("worker2")), 30),
-    "pause": (lambda p: pm.podman("pause", p.container("worker2")), 15 + 45),
+    "pause": (lambda p: pm.pause(p.container("worker2")), 15 + 45),
     "disconnect": (lambda p: pm.podman("network", "disconnect", "-f", p.network(), p.container("worker2")),
                    15 + 45),
 }

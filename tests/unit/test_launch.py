@@ -258,6 +258,15 @@ def test_job_watcher_names_the_cause_not_the_consequences():
     stall.feed("[1,0]<stderr>:1!: [allreduce.weight, allreduce.bias]\n")
     assert "rank 1 never submitted allreduce.weight, allreduce.bias" in stall.summary(1)
     assert "Every rank must make the same collective calls" in stall.summary(1)  # one rank slow or stuck
+    stall.silent(1, "worker2", 100.0, 16.0)  # its host was paused or cut off: the stall is a consequence
+    assert stall.summary(1).startswith("hvdp: the job failed: rank 1 on worker2 went silent: nothing from it"), \
+        stall.summary(1)
+    stall.silent(0, "worker1", 101.0, 15.0)  # rank 0 silent too, but after rank 1: rank 1 is named
+    assert "rank 1 on worker2 went silent" in stall.summary(1)
+    lost = JobWatcher()
+    lost.feed("[1,0]<stderr>:1!: [allreduce.weight]\n")
+    lost.lost(0, "worker1", 100.0)  # a rank lost, but not the one that stalled: the stall is reported
+    assert "rank 1 never submitted allreduce.weight" in lost.summary(1)
     keras = JobWatcher()  # rank 1 built a model with one more layer: each waits for the other's list
     keras.feed("[0]<stdout>:Missing ranks:\n[0]<stdout>:0!: [hvdp.gradients.0.g0_1of6, hvdp.gradients.0.g0_2of6]\n"
                "[0]<stdout>:1: [hvdp.gradients.0.g0_1of4, hvdp.gradients.0.g0_2of4]\n")  # TensorFlow's names
