@@ -4,16 +4,15 @@ hvdp's Horovod build adds C entries (:data:`hvdp.horovod_build.direct_patches.DI
 sum-allreduce in place or from an input into an output (``horovod_hvdp_direct_allreduce_from``) and an
 exchange of every rank's message with every rank (``horovod_hvdp_direct_exchange``), each call on a
 Gloo tag of its own. Here: their Python
-side, with the stall timeout and the stall report (:func:`timeout_ms`, :func:`report_stall`), the
-sender thread of torch's gradient path (:mod:`.torch_direct`), the quiet loop, and a Keras optimizer's
-gradients on the torch backend reduced together (:class:`DirectGroup`). ``hvdp.allreduce``'s direct
+side on torch, with the stall report (:func:`report_stall`; the stall timeout, the switch and the quiet loop are
+every framework's: :mod:`.direct`), the sender thread of torch's gradient path (:mod:`.torch_direct`), and a
+Keras optimizer's gradients on the torch backend reduced together (:class:`DirectGroup`). ``hvdp.allreduce``'s direct
 forms: :mod:`.torch_calls`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import queue
 import sys
 import threading
@@ -25,10 +24,13 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
+from hvdp.backends import direct
+from hvdp.backends.direct import PATH_ENV, chosen_path, timeout_ms
+from hvdp.backends.direct import QUIET_MS as QUIET_MS  # the torch side's names, as before
+from hvdp.backends.direct import is_quiet as is_quiet
+from hvdp.backends.direct import quiet_ms_from as quiet_ms_from
 from hvdp.backends.torch_shm import SharedMemory
 
-#: The environment variable that picks the gradient path: ``direct`` (the default) or ``horovod``.
-PATH_ENV = "HVDP_GRADIENT_PATH"
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
 #: The direct allreduce's channels for a torch optimizer's gradients, one per sender thread (:func:`sender`;
 #: each a Gloo tag of its own): two small buckets in a row go by lanes 0 and 1, both on the wire at once
@@ -36,33 +38,6 @@ _DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
 GRADIENT_CHANNELS = (1, 5)
 #: The direct allreduce's channel for a Keras optimizer's gradients (:class:`DirectGroup`).
 GROUP_CHANNEL = 3
-
-
-def chosen_path() -> str:
-    """``direct`` or ``horovod``, from :data:`PATH_ENV`; anything else is refused with the choices."""
-    value = os.environ.get(PATH_ENV, "direct").strip().lower() or "direct"
-    if value not in ("direct", "horovod"):
-        raise ValueError(f"{PATH_ENV}={value!r}: use 'direct' (the default: buckets allreduced without Horovod's "
-                         f"per-cycle coordination round once the ranks agree) or 'horovod' (Horovod's path).")
-    return value
-
-
-#: The stall timeout when none is set (hvdp run's default, ``--stall-timeout``): how long a direct call waits.
-DEFAULT_TIMEOUT_S = 300
-
-
-def timeout_ms() -> int:
-    """How long a direct call waits for the other ranks: the job's stall timeout (hvdp run sets
-    ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` from ``--stall-timeout``), else :data:`DEFAULT_TIMEOUT_S`.
-
-    Horovod's path waits as long before its stall inspector ends the job: a rank that is merely busy
-    (rank 0 evaluating or saving while the others wait) is given the same time on both paths.
-    """
-    try:
-        seconds = int(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0"))
-    except ValueError:
-        seconds = 0
-    return 1000 * (seconds if seconds > 0 else DEFAULT_TIMEOUT_S)
 
 
 def report_stall(what: str, waited_ms: int) -> None:
@@ -75,13 +50,8 @@ def report_stall(what: str, waited_ms: int) -> None:
 
 
 def entry(name: str, *middle: Any) -> Any:
-    """The build's C entry ``name`` (None in a build without it): a pointer, ``middle``, then the timeout in
-    ms, the error buffer and its size, returning an int (0 done, 1 failed, 2 not a Gloo job)."""
-    found = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, name, None)
-    if found is not None:
-        found.argtypes = [ctypes.c_void_p, *middle, ctypes.c_longlong, ctypes.c_char_p, ctypes.c_int]
-        found.restype = ctypes.c_int
-    return found
+    """The build's C entry ``name`` in horovod.torch's library (:func:`hvdp.backends.direct.entry`)."""
+    return direct.entry(hvd.mpi_ops._basics.MPI_LIB_CTYPES, name, *middle)
 
 
 def exchange_entry() -> Any:
@@ -196,42 +166,9 @@ def agreed(text: str, usable: bool, name: str) -> bool:
     return bool((everyone[:, 0] == digest).all()) and bool(everyone[:, 1].all())
 
 
-#: How far apart (ms) Horovod's background loop runs its rounds while the process's gradients take the
-#: direct path (:data:`hvdp.horovod_build.direct_patches.QUIET_LOOP`; a submitted tensor wakes it sooner):
-#: 50 unless ``HVDP_QUIET_LOOP_MS`` says otherwise (0 turns it off). At 50 ResNet-18's step is 2.6% shorter.
-QUIET_ENV = "HVDP_QUIET_LOOP_MS"
-
-
-def quiet_ms_from(text: Optional[str]) -> int:
-    """:data:`QUIET_ENV`'s value in ms (50 when unset or empty); anything else is refused with the fix."""
-    value = (text or "").strip() or "50"
-    if not value.isdigit() or int(value) > 10_000:
-        raise ValueError(f"{QUIET_ENV}={text!r} is not a number of milliseconds from 0 to 10000: set e.g. 50 "
-                         f"(the default), or 0 to keep Horovod's loop at its cycle time.")
-    return int(value)
-
-
-QUIET_MS = quiet_ms_from(os.environ.get(QUIET_ENV))
-_QUIET = [False]
-
-
 def quiet_loop(on: bool) -> None:
-    """Space Horovod's background rounds :data:`QUIET_MS` apart (``on``: the gradients go direct, the loop has
-    nothing to do) or back to the cycle time. Cheap when unchanged; a no-op with a build without it, or
-    while :data:`QUIET_MS` is 0 or not longer than the job's HOROVOD_CYCLE_TIME (never rounds more often)."""
-    on = on and QUIET_MS > float(os.environ.get("HOROVOD_CYCLE_TIME", "0") or 0)
-    if _QUIET[0] == on:
-        return
-    _QUIET[0] = on
-    found = getattr(hvd.mpi_ops._basics.MPI_LIB_CTYPES, "horovod_hvdp_quiet_loop", None)
-    if found is not None:
-        found.argtypes, found.restype = [ctypes.c_int], None
-        found(QUIET_MS if on else 0)
-
-
-def is_quiet() -> bool:
-    """Whether :func:`quiet_loop` spaced the rounds out (for tests and the bench)."""
-    return _QUIET[0]
+    """horovod.torch's background loop quiet or not (:func:`hvdp.backends.direct.quiet_loop`)."""
+    direct.quiet_loop(hvd.mpi_ops._basics.MPI_LIB_CTYPES, on)
 
 
 def scale_if_direct(plan: Tuple[str, float, float], compression: str, groups: Any,
