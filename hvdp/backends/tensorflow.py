@@ -19,6 +19,7 @@ import tensorflow as tf
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import HorovodJob, reduction_plan
+from hvdp.backends.tensorflow_direct import direct_group
 
 
 def _refuse_xla() -> None:
@@ -117,7 +118,9 @@ class Backend(HorovodJob):
                                                  compression, self._set(process_set), backward_passes_per_step)
         reduce = self._gradient_reducer(op, compression, gradient_predivide_factor, process_set,
                                         keras_adapter.keras_groups(groups))
-        return keras_adapter.wrap_optimizer(optimizer, reduce, backward_passes_per_step)
+        wrapped = keras_adapter.wrap_optimizer(optimizer, reduce, backward_passes_per_step)
+        wrapped._hvdp_gradient_path = reduce.hvdp_direct_group  # None where the direct path does not apply
+        return wrapped
 
     def _gradient_reducer(self, op: str, compression: str, gradient_predivide_factor: float,
                           process_set: Any, groups: Optional[int] = None) -> Any:
@@ -136,12 +139,35 @@ class Backend(HorovodJob):
             if name == "adasum":
                 return [hvd.allreduce(t, op=horovod_op, compression=comp, name=f"{label}.{i}", ignore_name_scope=True)
                         for i, t in enumerate(tensors)]
-            return [reduced for g, group in enumerate(keras_adapter.in_groups(tensors, groups)) for reduced in
-                    hvd.grouped_allreduce(group, op=horovod_op, compression=comp, name=f"{label}.g{g}",
-                                          ignore_name_scope=True, prescale_factor=prescale,
-                                          postscale_factor=postscale, process_set=horovod_set)]
+            return [reduced for g, group in enumerate(keras_adapter.in_groups(tensors, groups))
+                    for reduced in grouped(group, f"{label}.g{g}")]
 
-        return _timed_in_graph(reduce)
+        def grouped(group: List[Any], name: str) -> List[Any]:
+            # One grouped allreduce per dtype: Horovod's op takes tensors of one dtype (a tape's float32 and
+            # float64 gradients failed with a TypeError). One dtype keeps Horovod's names as they were.
+            kinds = list(dict.fromkeys(t.dtype for t in group))
+            results: List[Any] = [None] * len(group)
+            for kind in kinds:
+                mine = [i for i, t in enumerate(group) if t.dtype == kind]
+                for i, reduced in zip(mine, hvd.grouped_allreduce(
+                        [group[i] for i in mine], op=horovod_op, compression=comp,
+                        name=name if len(kinds) == 1 else f"{name}.{kind.name}", ignore_name_scope=True,
+                        prescale_factor=prescale, postscale_factor=postscale, process_set=horovod_set)):
+                    results[i] = reduced
+            return results
+
+        # Once the ranks agree on the gradients, a direct allreduce without Horovod's rounds (where it applies).
+        found = direct_group(name, prescale, postscale, compression, groups, process_set, lambda: self.joining)
+        if found is not None:
+            group = found
+
+            def reduce_directly(tensors: List[Any]) -> List[Any]:
+                _refuse_xla()
+                return group(tensors, reduce)
+
+        timed = _timed_in_graph(reduce if found is None else reduce_directly)
+        timed.hvdp_direct_group = found
+        return timed
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:
         horovod_set = self._set(process_set)

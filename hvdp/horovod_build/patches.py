@@ -22,7 +22,8 @@ from hvdp.horovod_build.direct_patches import DIRECT_ALLREDUCE, GLOO_NO_SPIN, GL
 from hvdp.horovod_build.patch import Patch
 from hvdp.horovod_build.tensorflow_patches import KERAS3_PATCHES
 
-#: Each framework's changes, by hvdp's name for it: a module with CMAKE_PATCHES, PYTHON_PATCHES, GPU_PATCHES.
+#: Each framework's changes, by hvdp's name for it: a module with CMAKE_PATCHES, SOURCE_PATCHES (its
+#: extension's C++), PYTHON_PATCHES, GPU_PATCHES.
 FRAMEWORK_PATCHES: Dict[str, Any] = {"torch": torch_patches, "tensorflow": tensorflow_patches}
 
 __all__ = ["DIRECT_ALLREDUCE", "EARLY_WAKE", "GLOO_NO_SPIN", "GLOO_REDUCESCATTER", "GLOO_RING_FROM_INPUT",
@@ -324,7 +325,7 @@ GLOO_REDUCESCATTER: Tuple[Patch, ...] = (
 
 
 #: Every build's patches: the CMake files (top level, then each framework's extension), the
-#: common C++ sources, then each framework's Python layer.
+#: common C++ sources, each framework's own C++, then each framework's Python layer.
 PATCHES: Tuple[Patch, ...] = (
     _CXX17,
     *(patch for name in SPECS for patch in FRAMEWORK_PATCHES[name].CMAKE_PATCHES),
@@ -336,6 +337,7 @@ PATCHES: Tuple[Patch, ...] = (
     *GLOO_RING_FROM_INPUT,
     *GLOO_NO_SPIN,
     *QUIET_LOOP,
+    *(patch for name in SPECS for patch in FRAMEWORK_PATCHES[name].SOURCE_PATCHES),
     *(patch for name in SPECS for patch in FRAMEWORK_PATCHES[name].PYTHON_PATCHES),
 )
 

@@ -191,6 +191,93 @@ KERAS3_PATCHES = (
       for path in ("horovod/tensorflow/keras/callbacks.py", "horovod/keras/callbacks.py")),
 )
 
+_MPI_OPS = "horovod/tensorflow/mpi_ops.cc"
+
+#: ``HvdpDirectAllreduce``: TensorFlow's gradients by the direct allreduce
+#: (:data:`hvdp.horovod_build.direct_patches.DIRECT_ALLREDUCE`'s ``horovod_hvdp_direct_allreduce_from``), run by
+#: the op's own thread on the job's Gloo context, outside Horovod's rounds (:mod:`hvdp.backends.tensorflow_direct`).
+#: One flat float32/float64 tensor in, its sum over every rank times ``scale`` out. Stateful, so a traced
+#: function runs its calls in the order they were traced, the same on every rank; CPU only. A timed-out call
+#: prints Horovod's stall report lines (every other rank missing), which ``hvdp run`` reads.
+DIRECT_OP = (
+    Patch(_MPI_OPS, "\n} // namespace tensorflow\n} // namespace horovod\n",
+          "\n// hvdp: the sum of every rank's tensor by the direct allreduce, times scale.\n"
+          "class HvdpDirectAllreduceOp : public OpKernel {\n"
+          "public:\n"
+          "  explicit HvdpDirectAllreduceOp(OpKernelConstruction* context) : OpKernel(context) {\n"
+          "    OP_REQUIRES_OK(context, context->GetAttr(\"channel\", &channel_));\n"
+          "    OP_REQUIRES_OK(context, context->GetAttr(\"timeout_ms\", &timeout_ms_));\n"
+          "  }\n"
+          "\n"
+          "  void Compute(OpKernelContext* context) override {\n"
+          "    const Tensor& tensor = context->input(0);\n"
+          "    const double scale = context->input(1).scalar<double>()();\n"
+          "    Tensor* output = nullptr;\n"
+          "    OP_REQUIRES_OK(context, context->allocate_output(0, tensor.shape(), &output));\n"
+          "    const bool is_double = tensor.dtype() == DT_DOUBLE;\n"
+          "    char error[1024] = {0};\n"
+          "    const int code = common::horovod_hvdp_direct_allreduce_from(\n"
+          "        tensor.tensor_data().data(), const_cast<char*>(output->tensor_data().data()),\n"
+          "        (long long)tensor.NumElements(), is_double ? 1 : 0, (int)channel_, (long long)timeout_ms_, error,\n"
+          "        (int)sizeof(error));\n"
+          "    if (code == 1 &&\n"
+          "        (std::strstr(error, \"imed out\") != nullptr || std::strstr(error, \"timeout\") != nullptr)) {\n"
+          "      std::string report = \"[hvdp] One or more ranks stalled for \" +\n"
+          "                           std::to_string(timeout_ms_ / 1000) +\n"
+          "                           \" s in a direct allreduce (hvdp.direct.tf_gradients). Missing ranks:\\n\";\n"
+          "      for (int r = 0; r < common::horovod_size(); ++r) {\n"
+          "        if (r != common::horovod_rank()) {\n"
+          "          report += std::to_string(r) + \"!: [allreduce.hvdp.direct.tf_gradients]\\n\";\n"
+          "        }\n"
+          "      }\n"
+          "      std::fprintf(stderr, \"%s\", report.c_str());\n"
+          "      std::fflush(stderr);\n"
+          "    }\n"
+          "    OP_REQUIRES(context, code != 2,\n"
+          "                errors::FailedPrecondition(\"Horovod (hvdp's direct allreduce) needs a Gloo job\"));\n"
+          "    OP_REQUIRES(context, code == 0,\n"
+          "                errors::Unknown(\"Horovod (hvdp's direct gradient allreduce, \", tensor.NumElements(),\n"
+          "                                \" elements) failed: \", error));\n"
+          "    if (scale != 1.0) {\n"
+          "      if (is_double) {\n"
+          "        auto flat = output->flat<double>();\n"
+          "        for (int64_t i = 0; i < flat.size(); ++i) flat(i) *= scale;\n"
+          "      } else {\n"
+          "        auto flat = output->flat<float>();\n"
+          "        const float factor = (float)scale;\n"
+          "        for (int64_t i = 0; i < flat.size(); ++i) flat(i) *= factor;\n"
+          "      }\n"
+          "    }\n"
+          "  }\n"
+          "\n"
+          "private:\n"
+          "  int64_t channel_ = 0;\n"
+          "  int64_t timeout_ms_ = 0;\n"
+          "};\n"
+          "\n"
+          "REGISTER_KERNEL_BUILDER(Name(\"HvdpDirectAllreduce\").Device(DEVICE_CPU), HvdpDirectAllreduceOp);\n"
+          "\n"
+          "REGISTER_OP(\"HvdpDirectAllreduce\")\n"
+          "    .Attr(\"T: {float32, float64}\")\n"
+          "    .Attr(\"channel: int\")\n"
+          "    .Attr(\"timeout_ms: int\")\n"
+          "    .Input(\"tensor: T\")\n"
+          "    .Input(\"scale: float64\")\n"
+          "    .Output(\"sum: T\")\n"
+          "    .SetIsStateful()\n"
+          "    .SetShapeFn([](shape_inference::InferenceContext* c) {\n"
+          "      c->set_output(0, c->input(0));\n"
+          "      return Status();\n"
+          "    });\n"
+          "\n} // namespace tensorflow\n} // namespace horovod\n",
+          "hvdp's TensorFlow gradients by the direct allreduce, without Horovod's rounds"),
+    Patch(_MPI_OPS, "#include <algorithm>\n",
+          "#include <algorithm>\n#include <cstdio>\n#include <cstring>\n#include <string>\n",
+          "the direct op's headers"),
+)
+
+#: Changes to the TensorFlow extension's C++ sources (after the common ones).
+SOURCE_PATCHES = DIRECT_OP
 #: horovod.tensorflow's and horovod.keras's Python layers.
 PYTHON_PATCHES = KERAS3_PATCHES
 #: A GPU build of TensorFlow's extension needs no change.

@@ -12,6 +12,9 @@ CMAKE_PATCHES = (
 )
 
 #: horovod.torch's Python layer.
+#: torch's extension's C++ sources need no change of their own.
+SOURCE_PATCHES: tuple = ()
+
 PYTHON_PATCHES = (
     Patch("horovod/torch/sync_batch_norm.py",
           "        # currently only GPU input is supported by underlying kernel from PyTorch\n"

@@ -1,7 +1,8 @@
 """A failing rank ends the whole job quickly, and hvdp run names it (np=2).
 
-The four jobs that wait out a 10 s stall timeout (a stalled rank, a paused one; Gloo and MPI) run side by
-side (harness.side_by_side): what they time starts at the fault, once the job is up."""
+The five jobs that wait out a 10 s stall timeout (a stalled rank, a paused one; Gloo and MPI; a stalled rank on
+TensorFlow's direct path) run side by side (harness.side_by_side): what they time starts at the fault, once the
+job is up."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from hvdp.launch.watch import JobWatcher
 from hvdp.launch.worker import HEARTBEAT_S
 
 
-def run_fault(mode, controller, tmp_path, *extra):
-    job = run_job([f"--{controller}", "--framework", "torch", *extra, str(WORKERS / "faults.py"), mode], tmp_path,
+def run_fault(mode, controller, tmp_path, *extra, framework="torch"):
+    worker = "faults.py" if framework == "torch" else "faults_tf.py"
+    job = run_job([f"--{controller}", "--framework", framework, *extra, str(WORKERS / worker), mode], tmp_path,
                   timeout=240)
     ended = time.time()
     detection = ended - float((tmp_path / "fault_time").read_text())
@@ -53,10 +55,15 @@ def test_an_exception_on_one_rank_is_named_as_the_cause(controller, tmp_path):
 
 @pytest.fixture(scope="module")
 def waiting_jobs(tmp_path_factory):
-    """The stall and pause jobs under both controllers, at once: (mode, controller) -> (job, detection)."""
-    return side_by_side({(mode, controller): functools.partial(
+    """The stall and pause jobs under both controllers, and a stall on TensorFlow's direct path, at once:
+    (mode, controller) -> (job, detection)."""
+    jobs = {(mode, controller): functools.partial(
         run_fault, mode, controller, tmp_path_factory.mktemp(f"{mode}-{controller}"), "--stall-timeout", "10")
-        for mode in ("stall", "pause") for controller in ("gloo", "mpi")})
+        for mode in ("stall", "pause") for controller in ("gloo", "mpi")}
+    jobs[("stall", "gloo-tensorflow")] = functools.partial(
+        run_fault, "stall", "gloo", tmp_path_factory.mktemp("stall-tensorflow"), "--stall-timeout", "10",
+        framework="tensorflow")
+    return side_by_side(jobs)
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
@@ -66,6 +73,16 @@ def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_ten
     assert job.returncode != 0
     assert 10 <= detection < 10 + 20, detection  # Horovod checks every timeout/5 s, then the launcher stops
     assert "hvdp: the job was ended: rank 1 never submitted allreduce." in job.output, job.output[-3000:]
+
+
+def test_a_stalled_rank_on_tensorflows_direct_path_ends_the_job_naming_it(waiting_jobs):
+    """Rank 0's direct exchange of the gradients' layout waits out the stall timeout, then prints the stall
+    report's lines: the job ends naming rank 1, as on Horovod's path."""
+    job, detection = waiting_jobs[("stall", "gloo-tensorflow")].result()
+    assert job.returncode != 0
+    assert 10 <= detection < 10 + 20, detection
+    assert "hvdp: the job was ended: rank 1 never submitted allreduce.hvdp.direct.tf_" in job.output, \
+        job.output[-3000:]
 
 
 def test_models_that_differ_between_ranks_end_the_stall_saying_so(tmp_path):

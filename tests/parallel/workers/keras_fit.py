@@ -70,7 +70,7 @@ def fit_against_union(rank: int, size: int) -> dict:
                   batch_size=PER_RANK_BATCH * size, epochs=1, shuffle=False, verbose=0)
     return {"before": digest(before), "start": digest(start), "after": flat(model).tolist(),
             "vs_union": compare(flat(model), flat(reference)), "moved": float(np.max(np.abs(flat(model) - start))),
-            "path": dict(getattr(optimizer, "_hvdp_gradient_path", None).counts)  # torch's direct path
+            "path": dict(getattr(optimizer, "_hvdp_gradient_path", None).counts)  # the direct path
             if getattr(optimizer, "_hvdp_gradient_path", None) is not None else None}
 
 
