@@ -160,8 +160,9 @@ def plan(settings: Settings) -> List[Group]:
         if "overhead" in sections and np_ == 2 and controller == "gloo" and model in ("cnn", "mlp"):
             people.append(Contender(f"hvdp without early wake {tag}", "hvdp", framework, np_, controller, "hvdp",
                                     model, env={"HVDP_EARLY_WAKE": "0"}))
-        # torch's gradient path before the direct one (hvdp.backends.torch_direct): Horovod's negotiated rounds.
-        if ("overhead" in sections or want_native) and framework == "torch" and np_ == 2 and controller == "gloo":
+        # The gradient path before the direct one (hvdp.backends.torch_direct, hvdp.backends.tensorflow_direct):
+        # Horovod's negotiated rounds.
+        if ("overhead" in sections or want_native) and np_ == 2 and controller == "gloo":
             people.append(Contender(f"hvdp on Horovod's gradient path {tag}", "hvdp", framework, np_, controller,
                                     "hvdp", model, env={"HVDP_GRADIENT_PATH": "horovod"}))
         if want_native:

@@ -285,7 +285,7 @@ def _human(nbytes: int) -> str:
     return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
 
 
-#: The overhead panel's bars: hvdp against plain Horovod, and torch's direct path against Horovod's path.
+#: The overhead panel's bars: hvdp against plain Horovod, and the direct gradient path against Horovod's path.
 _OVERHEAD_BARS = {"hvdp/horovod same knobs": "/ Horovod, same knobs",
                   "hvdp/horovod defaults": "/ Horovod, its defaults",
                   "hvdp/hvdp HVDP_GRADIENT_PATH=horovod": "direct / Horovod's path"}

@@ -79,6 +79,9 @@ def test_quick_plan_touches_every_section_and_alternates():
     torch_cnn = next(g for g in groups if g.name == "torch/cnn np=2 gloo")
     assert [c.env for c in torch_cnn.contenders if c.impl == "hvdp"] == [
         {}, {"HVDP_EARLY_WAKE": "0"}, {"HVDP_GRADIENT_PATH": "horovod"}]  # torch's gradient path, before and after
+    tensorflow_cnn = next(g for g in groups if g.name == "tensorflow/cnn np=2 gloo")
+    assert [c.env for c in tensorflow_cnn.contenders if c.impl == "hvdp"] == [
+        {}, {"HVDP_EARLY_WAKE": "0"}, {"HVDP_GRADIENT_PATH": "horovod"}]  # and TensorFlow's
     assert [c.env for c in torch_cnn.contenders if c.impl == "ddp"] == [{}, dict(bench.ALLOCATOR_SETTINGS)]
     sharded = next(g for g in groups if g.name == "sharded torch/cnn")
     assert [(c.impl, c.np, c.shard, c.optimizer) for c in sharded.contenders] == [
