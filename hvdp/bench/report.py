@@ -363,7 +363,7 @@ def plot(results: dict, path: str) -> None:
     fig.suptitle(f"hvdp bench ({results.get('mode')}), {results.get('date')}, "
                  f"{results.get('machine', {}).get('description', '')}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the longest bar labels too
     plt.close(fig)
 
 
