@@ -161,8 +161,9 @@ def plan(settings: Settings) -> List[Group]:
             people.append(Contender(f"hvdp without early wake {tag}", "hvdp", framework, np_, controller, "hvdp",
                                     model, env={"HVDP_EARLY_WAKE": "0"}))
         # The gradient path before the direct one (hvdp.backends.torch_direct, hvdp.backends.tensorflow_direct):
-        # Horovod's negotiated rounds.
-        if ("overhead" in sections or want_native) and np_ == 2 and controller == "gloo":
+        # Horovod's negotiated rounds. TensorFlow's in the full run only (a quick run's time is CI's).
+        if ("overhead" in sections or want_native) and np_ == 2 and controller == "gloo" and \
+                (framework == "torch" or not quick):
             people.append(Contender(f"hvdp on Horovod's gradient path {tag}", "hvdp", framework, np_, controller,
                                     "hvdp", model, env={"HVDP_GRADIENT_PATH": "horovod"}))
         if want_native:

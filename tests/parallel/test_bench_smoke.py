@@ -22,7 +22,7 @@ GROUPS = {
     "torch/cnn np=2 gloo": {"hvdp/ddp", "hvdp/ddp same malloc", "hvdp/horovod same knobs", "hvdp/horovod defaults",
                             "hvdp/hvdp HVDP_EARLY_WAKE=0", "hvdp/hvdp HVDP_GRADIENT_PATH=horovod"},
     "tensorflow/cnn np=2 gloo": {"hvdp/mwms", "hvdp/mwms same malloc", "hvdp/horovod defaults",
-                                 "hvdp/hvdp HVDP_EARLY_WAKE=0", "hvdp/hvdp HVDP_GRADIENT_PATH=horovod"},
+                                 "hvdp/hvdp HVDP_EARLY_WAKE=0"},
     "scaling torch/cnn": set(),
     "sharded torch/cnn": {f"{name} np={n}" for n in (1, 2) for name in (
         "sharded/unsharded step", "sharded/ZeroRedundancyOptimizer step", "state per rank sharded/unsharded",
