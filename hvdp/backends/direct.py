@@ -1,5 +1,6 @@
 """What every framework's direct path shares, without importing a framework: the switch between the direct
-path and Horovod's (:data:`PATH_ENV`), how long a direct call waits (:func:`timeout_ms`), the build's C entries
+path and Horovod's (:data:`PATH_ENV`), how long a direct call waits (:func:`timeout_ms`) and its stall report
+(:func:`report_stall`), the build's C entries
 (:func:`entry`) and the quiet loop (:func:`quiet_loop`). torch's direct path: :mod:`.torch_direct_calls`;
 TensorFlow's: :mod:`.tensorflow_direct`.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import Any, Optional
 
 #: The environment variable that picks the gradient path: ``direct`` (the default) or ``horovod``.
@@ -39,6 +41,14 @@ def timeout_ms() -> int:
     except ValueError:
         seconds = 0
     return 1000 * (seconds if seconds > 0 else DEFAULT_TIMEOUT_S)
+
+
+def report_stall(what: str, waited_ms: int, rank: int, size: int) -> None:
+    """On a timed-out direct call: the lines of Horovod's stall report that hvdp run reads (every other rank
+    never sent ``what``), so the job ends saying which rank stalled, as on Horovod's path."""
+    lines = [f"[hvdp] One or more ranks stalled for {waited_ms // 1000} s in a direct allreduce ({what}). "
+             f"Missing ranks:"] + [f"{r}!: [allreduce.{what}]" for r in range(size) if r != rank]
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def entry(library: Any, name: str, *middle: Any) -> Any:

@@ -156,17 +156,10 @@ class Backend(HorovodJob):
                     results[i] = reduced
             return results
 
-        # Once the ranks agree on the gradients, a direct allreduce without Horovod's rounds (where it applies).
-        found = direct_group(name, prescale, postscale, compression, groups, process_set, lambda: self.joining)
-        if found is not None:
-            group = found
-
-            def reduce_directly(tensors: List[Any]) -> List[Any]:
-                _refuse_xla()
-                return group(tensors, reduce)
-
-        timed = _timed_in_graph(reduce if found is None else reduce_directly)
-        timed.hvdp_direct_group = found
+        # Where every rank's gradients agree, a direct allreduce without Horovod's rounds (where it applies).
+        path = direct_group(name, prescale, postscale, compression, groups, process_set, lambda: self.joining)
+        timed = _timed_in_graph(reduce if path is None else functools.partial(path, horovod_reduce=reduce))
+        timed.hvdp_direct_group = path
         return timed
 
     def broadcast_state(self, model: Any, optimizer: Any, root_rank: int, process_set: Any) -> None:

@@ -21,7 +21,6 @@ process set, average or sum without compression or groups; anything else keeps H
 from __future__ import annotations
 
 import ctypes
-import sys
 import zlib
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -112,10 +111,7 @@ def compared(text: str, usable: bool) -> Tuple[bool, bool]:
     if code != 0:
         why = error.value.decode(errors="replace") or "not a Gloo job"
         if "imed out" in why or "timeout" in why:
-            others = [r for r in range(size) if r != rank]
-            print("\n".join([f"[hvdp] One or more ranks stalled for {waited // 1000} s in a direct allreduce "
-                             f"(hvdp.direct.tf_layout). Missing ranks:"] +
-                            [f"{r}!: [allreduce.hvdp.direct.tf_layout]" for r in others]), file=sys.stderr, flush=True)
+            direct.report_stall("hvdp.direct.tf_layout", waited, rank, size)
         raise RuntimeError(f"Horovod (hvdp's direct path) could not compare the gradients between ranks: {why}. "
                            f"Another rank stopped (see its output); {direct.PATH_ENV}=horovod runs Horovod's path "
                            f"instead.")

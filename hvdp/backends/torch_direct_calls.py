@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import queue
-import sys
 import threading
 import weakref
 import zlib
@@ -41,12 +40,8 @@ GROUP_CHANNEL = 3
 
 
 def report_stall(what: str, waited_ms: int) -> None:
-    """On a timed-out direct call: the lines of Horovod's stall report that hvdp run reads (the other ranks
-    never sent ``what``), so the job ends saying which rank stalled, as on Horovod's path."""
-    others = [r for r in range(hvd.size()) if r != hvd.rank()]
-    lines = [f"[hvdp] One or more ranks stalled for {waited_ms // 1000} s in a direct allreduce ({what}). "
-             f"Missing ranks:"] + [f"{r}!: [allreduce.{what}]" for r in others]
-    print("\n".join(lines), file=sys.stderr, flush=True)
+    """:func:`hvdp.backends.direct.report_stall` for this torch job's rank and size."""
+    direct.report_stall(what, waited_ms, hvd.rank(), hvd.size())
 
 
 def entry(name: str, *middle: Any) -> Any:
