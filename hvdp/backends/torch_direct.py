@@ -13,17 +13,17 @@ says what is known already. This path skips it:
    Horovod (an allgather of the plan's digest). Equal plans everywhere switch every rank to
    the direct path at the same step; unequal ones keep Horovod's path (retried at most
    :data:`TRIES` times).
-2. **Direct steps.** A full bucket (a large gradient, or a gathered bucket once its gradients
-   are copied in), once all the buckets before it have gone, is handed to its lane's sender
-   thread (two for small gathered buckets, :data:`.torch_direct_buckets.TWO_LANES_BELOW`),
-   which allreduces it with ``horovod_hvdp_direct_allreduce``
-   (:data:`hvdp.horovod_build.patches.DIRECT_ALLREDUCE`) on Horovod's own Gloo context (a bucket of 8 MB
-   or more, every rank on one machine: through shared memory, :mod:`.torch_shm`), while
-   backward goes on. At the end of the backward pass the buckets not sent yet are sent, with
-   zeros where a parameter got no gradient this pass (what Horovod's ``synchronize`` gives such
-   a parameter), and the averages go into ``.grad``. Every rank sends every bucket, in the
-   same order, with the same sizes, whatever its graph did. Meanwhile Horovod's background loop,
-   with nothing to do, runs its rounds ``HVDP_QUIET_LOOP_MS`` (50) apart instead of every cycle
+2. **Direct steps.** A full bucket (a large gradient, or a gathered bucket once its gradients are
+   copied in), once all the buckets before it have gone, is handed to its lane's sender thread (two
+   for small gathered buckets, :data:`.torch_direct_buckets.TWO_LANES_BELOW`), which allreduces it
+   with ``horovod_hvdp_direct_allreduce`` (:data:`hvdp.horovod_build.patches.DIRECT_ALLREDUCE`) on
+   Horovod's own Gloo context (a bucket of 512 KB or more, every rank on one machine: through shared
+   memory, :mod:`.torch_shm`), times the average's scale (every bucket but the last), while backward
+   goes on. At the end of the backward pass the buckets not sent yet are sent, with zeros where a
+   parameter got no gradient this pass (what Horovod's ``synchronize`` gives such a parameter), and
+   the averages go into ``.grad``. Every rank sends every bucket, in the same order, with the same
+   sizes, whatever its graph did. Meanwhile Horovod's background loop, with nothing to do, runs its
+   rounds ``HVDP_QUIET_LOOP_MS`` (50) apart instead of every cycle
    (:func:`hvdp.backends.torch_direct_calls.quiet_loop`).
 3. **A changed graph.** The last bucket carries one more element: the number of parameters
    this rank missed this pass. Its sum is the same on every rank, so every rank sees a change
@@ -103,7 +103,7 @@ class DirectGradients:
     def __init__(self, optimizer: Any, names: Dict[torch.nn.Parameter, str], scale: Callable[[], float],
                  joining: Callable[[], bool]) -> None:
         self.optimizer, self.names, self.scale, self.joining = optimizer, names, scale, joining
-        self.allreduce = DirectAllreduce(local=True)  # a bucket of 8 MB or more: through shared memory
+        self.allreduce = DirectAllreduce(local=True, buckets=True)  # from 512 KB: through shared memory
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self.index = {p: i for i, p in enumerate(self.params)}
         self.mode = "learn"
@@ -113,6 +113,7 @@ class DirectGradients:
         self.buckets: List[Bucket] = []
         self.where: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
         self.issued = 0  # buckets handed to the sender this pass
+        self.step_scale = 1.0  # this pass's factor (the sender applies it to every bucket but the last)
         self.active = False  # the pass now running fills the buckets
         self.late: Optional[torch.nn.Parameter] = None
         self.world = hvd.size()
@@ -169,6 +170,7 @@ class DirectGradients:
 
     def start_pass(self) -> None:
         self.active, self.issued, self.late = True, 0, None
+        self.step_scale = self.scale()
         quiet_loop(True)
         for bucket in self.buckets:
             bucket.filled = [False] * len(bucket.params)
@@ -189,7 +191,9 @@ class DirectGradients:
             if places:
                 torch._foreach_copy_(places, grads)
         bucket.done.clear()
-        sender(self.allreduce, bucket.lane).jobs.put((bucket.whole(), bucket.done, bucket.errors))
+        # Every bucket but the last comes back averaged (its sender applies the scale); the last carries the counts.
+        scale = self.step_scale if b < len(self.buckets) - 1 else 1.0
+        sender(self.allreduce, bucket.lane).jobs.put((bucket.whole(), scale, bucket.done, bucket.errors))
         self.issued = b + 1
 
     # -- the step ------------------------------------------------------------------------------
@@ -232,16 +236,15 @@ class DirectGradients:
         self.wait("gradients")
         changed, finished = (int(v) for v in self.buckets[-1].whole()[-2:].tolist())
         scale = self.scale()
-        for bucket in self.buckets:
-            if bucket.in_place:  # the sum is in .grad already
-                if scale != 1.0:
-                    bucket.whole().mul_(scale)  # .grad's own memory
+        for b, bucket in enumerate(self.buckets):
+            last = b == len(self.buckets) - 1
+            if bucket.in_place:  # the average is in .grad already (the sender scaled it)
                 bucket.flat = None
                 continue
             # Copied out into each .grad, as Horovod's path leaves .grad: its own tensor (a view of the bucket
             # would save the copy, but a .grad kept from an earlier step would then change under its holder at
             # the next backward). The bucket is scaled first: two calls for all its parameters.
-            if scale != 1.0:
+            if scale != 1.0 and last:
                 bucket.whole().mul_(scale)
             grads = []
             for p, place in zip(bucket.params, bucket.shaped):

@@ -23,7 +23,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from hvdp.backends import direct
+from hvdp.backends import direct, torch_shm
 from hvdp.backends.direct import PATH_ENV, chosen_path, timeout_ms
 from hvdp.backends.direct import QUIET_MS as QUIET_MS  # the torch side's names, as before
 from hvdp.backends.direct import is_quiet as is_quiet
@@ -70,25 +70,31 @@ class DirectAllreduce:
     """The build's ``horovod_hvdp_direct_allreduce_from``: the sum of every rank's ``tensor`` in place, or into
     ``into`` (Gloo's ring reading the tensor, writing the result), run by the calling thread."""
 
-    def __init__(self, local: bool = False) -> None:
+    def __init__(self, local: bool = False, buckets: bool = False) -> None:
         self.entry = entry("horovod_hvdp_direct_allreduce_from", ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
                            ctypes.c_int)
         self.local = local  # through shared memory where every rank is on this machine (:mod:`.torch_shm`)
+        self.buckets = buckets  # from a gradient bucket's threshold there, instead of a call's
 
     def usable(self) -> bool:
         """Built in, and the job runs on Gloo (MPI jobs keep Horovod's path)."""
         return self.entry is not None and bool(hvd.gloo_enabled())
 
-    def __call__(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor] = None) -> None:
+    def __call__(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor] = None,
+                 scale: float = 1.0) -> None:
+        """The sum times ``scale``: through shared memory in the same pass as the copy out of it; after Gloo's
+        ring a pass of its own, by the calling thread (a sender's, while backward goes on)."""
         assert self.entry is not None, "usable() is checked before any call"
         local = local_memory() if self.local else None
-        if local is not None and local.serves(tensor):
-            local(tensor, channel, into, lambda: self.ring(tensor, channel, into))
+        least = torch_shm.BUCKET_MIN_BYTES if self.buckets else torch_shm.SHM_MIN_BYTES
+        if local is not None and local.serves(tensor, least):
+            local(tensor, channel, into, lambda: self.ring(tensor, channel, into, scale), scale)
         else:
-            self.ring(tensor, channel, into)
+            self.ring(tensor, channel, into, scale)
 
-    def ring(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor] = None) -> None:
-        """Gloo's ring allreduce (the network stack, also between ranks of one machine)."""
+    def ring(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor] = None,
+             scale: float = 1.0) -> None:
+        """Gloo's ring allreduce (the network stack, also between ranks of one machine), times ``scale``."""
         assert self.entry is not None
         error = ctypes.create_string_buffer(1024)
         code = self.entry(tensor.data_ptr(), (tensor if into is None else into).data_ptr(), tensor.numel(),
@@ -97,6 +103,13 @@ class DirectAllreduce:
             raise HorovodInternalError("hvdp's direct allreduce needs a Gloo job (this one runs on MPI).")
         if code != 0:
             raise HorovodInternalError(error.value.decode(errors="replace"))
+        if scale != 1.0:
+            (tensor if into is None else into).mul_(scale)
+
+
+#: A sender's job: the flat tensor to sum in place, the factor to multiply the sum by, the event set when it is
+#: done and the list its error goes into.
+Job = Tuple[torch.Tensor, float, threading.Event, List[str]]
 
 
 class _Sender(threading.Thread):
@@ -112,7 +125,7 @@ class _Sender(threading.Thread):
     def __init__(self, allreduce: DirectAllreduce, channel: int) -> None:
         super().__init__(name=f"hvdp-direct-allreduce-{channel}", daemon=True)
         self.allreduce, self.channel = allreduce, channel
-        self.jobs: "queue.SimpleQueue[Optional[Tuple[torch.Tensor, threading.Event, List[str]]]]" = queue.SimpleQueue()
+        self.jobs: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
 
     failed = False  # a call failed: the jobs queued behind it are not run (the step is lost anyway)
 
@@ -121,12 +134,12 @@ class _Sender(threading.Thread):
             job = self.jobs.get()
             if job is None:
                 return
-            flat, done, errors = job
+            flat, scale, done, errors = job
             try:
                 if self.failed:
                     errors.append("not sent: an earlier bucket's allreduce failed")
                 else:
-                    self.allreduce(flat, self.channel)
+                    self.allreduce(flat, self.channel, scale=scale)
             except Exception as error:  # handed to the waiting step, which raises it
                 self.failed = True
                 errors.append(str(error))
@@ -195,7 +208,7 @@ class DirectGroup:
 
     def __init__(self, scale: Callable[[], float], joining: Callable[[], bool]) -> None:
         self.scale, self.joining = scale, joining
-        self.allreduce = DirectAllreduce()
+        self.allreduce = DirectAllreduce(local=True)  # its buffer from 8 MB: through shared memory
         self.layout: Optional[Tuple[Tuple[str, Tuple[int, ...]], ...]] = None  # agreed by every rank
         self.tried: Optional[Tuple[Tuple[str, Tuple[int, ...]], ...]] = None  # compared, not agreed
         self.buffers: Dict[torch.dtype, torch.Tensor] = {}
@@ -237,7 +250,7 @@ class DirectGroup:
                 flat[offset:offset + n].copy_(tensors[i].detach().reshape(-1))
                 offset += n
             try:
-                self.allreduce(flat, GROUP_CHANNEL)
+                self.allreduce(flat, GROUP_CHANNEL, scale=scale)
             except HorovodInternalError as error:
                 if "imed out" in str(error):
                     report_stall(f"hvdp.direct.keras_gradients.{dtype}", timeout_ms())
@@ -245,8 +258,6 @@ class DirectGroup:
                     f"hvdp's direct gradient allreduce ({dtype}, {flat.numel()} elements) failed: {error}. Another "
                     f"rank stopped (see its output), or its model's trainable variables changed; {PATH_ENV}=horovod "
                     f"runs Horovod's path instead.") from error
-            if scale != 1.0:
-                flat.mul_(scale)
             offset = 0
             for i in mine:
                 n = tensors[i].numel()

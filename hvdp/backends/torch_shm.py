@@ -5,19 +5,23 @@ still sends every byte through the kernel's TCP loopback: each byte is copied in
 again, on the same cores the model's compute runs on. Here each rank has, per channel, one file in
 ``/dev/shm`` mapped by every rank: a place for its tensor and one for its segment of the result.
 ``hvdp.allreduce``'s large calls (:mod:`.torch_calls`) and torch's gradient buckets
-(:mod:`.torch_direct`, from their sender thread) of :data:`SHM_MIN_BYTES` and more take it: ResNet-18's
-step 166.8 ms against 172.9 with the ring (its four 9.4 MB weights; five alternated rounds). Smaller
-buckets keep Gloo's ring, one C call without the GIL: with every bucket from 64 KB here, the MLP's step
-was slower (6.0 ms against 5.6).
+(:mod:`.torch_direct`, from their sender thread) take it, from :data:`SHM_MIN_BYTES` and
+:data:`BUCKET_MIN_BYTES`. Smaller ones keep Gloo's ring, one C call without the GIL.
 
-1. Each rank copies its tensor into its place; every rank's header (bytes, dtype, call count) goes to
-   every rank by one direct exchange (``horovod_hvdp_direct_exchange``), which is also the barrier: all
-   tensors are in. Headers that differ are refused on every rank, before any memory is read.
-2. Rank ``r`` sums segment ``r`` of every rank's place, in rank order, into its result segment.
-3. A second exchange (all segments summed), then each rank copies every result segment into its output.
+1. Each rank copies its tensor into its place, all but its own segment (only the other ranks read a
+   place); every rank's header (bytes, dtype, call count) goes to every rank by one direct exchange
+   (``horovod_hvdp_direct_exchange``), which is also the barrier: all tensors are in. Headers that
+   differ are refused on every rank, before any memory is read.
+2. Rank ``r`` sums segment ``r`` of every rank's place (of its own tensor for itself), in rank order,
+   into its result segment.
+3. A second exchange (all segments summed), then each rank copies every result segment into its output,
+   times the caller's scale in the same pass (the gradient path's average: no pass of its own).
 
 Each rank reads and writes only its own segment in step 2, and a rank's next call on the channel writes
 its places only after the next call's first exchange, so no lock is needed beyond the two exchanges.
+With np=2 a call moves 4.5 times the tensor's bytes through memory on each rank (1.5 to copy in, 1.5 to
+sum, 2 to copy out), where the ring's loopback copies it into the kernel and out again, on the cores
+that compute, besides the protocol's own work.
 The places grow with the largest tensor of the channel (all ranks at once: their headers agree); a rank
 that cannot reserve the memory (a small ``/dev/shm``, e.g. a container's 64 MB) says so in the next
 exchange and the channel keeps Gloo's ring from then on, on every rank. The files are unlinked as soon
@@ -42,10 +46,16 @@ from horovod.common.exceptions import HorovodInternalError
 
 #: The environment variable that turns the shared-memory allreduce off (``0``) or on (``1``, the default).
 SHM_ENV = "HVDP_SHARED_MEMORY"
-#: The smallest tensor (bytes) that goes through shared memory; smaller ones take Gloo's ring. Below it the
-#: two exchanges and three passes over memory cost as much as the ring or more (np=2 here, medians of the
-#: quick bench: 4 MB 3.2-4.1 ms against the ring's 3.5-3.7; 16 MB 10.7-14.4 against 15.6-19.9).
+#: The smallest ``hvdp.allreduce`` call (bytes) that goes through shared memory; smaller ones take Gloo's
+#: ring. Below it, a call on its own, the two exchanges and the passes over memory cost as much as the ring
+#: or more (np=2 here, medians of the quick bench: 1 MB 1.8-5.0 ms against the ring's 1.2-1.3; 4 MB 3.2-4.1
+#: against 3.5-3.7; 16 MB 10.7-14.4 against 15.6-19.9).
 SHM_MIN_BYTES = 8 << 20
+#: The smallest gradient bucket (bytes) that goes through shared memory. Inside a training step it wins
+#: from here: the ring's work in the kernel comes out of the cores backward runs on (np=2, 4 alternated
+#: rounds, median steps: ResNet-18 161.4 ms against 172.3 from 8 MB, whose 1.2 to 4.7 MB gradients then
+#: took the ring; the MLP's two 1 MB buckets 6.3 against 6.6; the CNN 71.2 against 72.6).
+BUCKET_MIN_BYTES = 512 << 10
 #: Where the files go (a tmpfs on Linux).
 SHM_DIR = "/dev/shm"
 _MARK = 0x68766473  # "hvds"
@@ -90,9 +100,10 @@ class SharedMemory:
         self.errors: Dict[int, Any] = {}
         self.served = 0  # calls that went through shared memory (for tests and the bench)
 
-    def serves(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` goes through shared memory (the same answer on every rank for the same call)."""
-        if not self.on or tensor.dtype not in _DTYPES or tensor.numel() * tensor.element_size() < SHM_MIN_BYTES:
+    def serves(self, tensor: torch.Tensor, least: int) -> bool:
+        """Whether ``tensor`` goes through shared memory, from ``least`` bytes (the same answer on every rank for
+        the same call)."""
+        if not self.on or tensor.dtype not in _DTYPES or tensor.numel() * tensor.element_size() < least:
             return False
         if self.size != hvd.size():  # an elastic job's new world: its own files
             self.size, self.rank, self.channels, self.inboxes = hvd.size(), hvd.rank(), {}, {}
@@ -116,16 +127,20 @@ class SharedMemory:
         return inbox[:, :len(values)]
 
     def __call__(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor],
-                 ring: Callable[[], None]) -> None:
-        """The sum of every rank's ``tensor`` (contiguous) into ``into`` (or in place); ``ring`` runs Gloo's
-        ring instead where this channel's memory could not be had."""
+                 ring: Callable[[], None], scale: float = 1.0) -> None:
+        """The sum of every rank's ``tensor`` (contiguous) times ``scale`` into ``into`` (or in place); ``ring``
+        runs Gloo's ring instead where this channel's memory could not be had."""
         state = self.channels.setdefault(channel, _Channel())
         nbytes = tensor.numel() * tensor.element_size()
         state.calls += 1
         mine = [_MARK, nbytes, _DTYPES[tensor.dtype], state.calls, secrets.randbits(62) if self.rank == 0 else 0]
         grow = not state.ring_only and nbytes > state.capacity
+        count = tensor.numel()
+        per = _segment(count, tensor.element_size(), self.size)
+        lo, hi = min(count, self.rank * per), min(count, (self.rank + 1) * per)
+        flat = tensor.reshape(-1)
         if not grow and not state.ring_only:
-            state.places[self.rank][:nbytes].view(tensor.dtype).copy_(tensor.reshape(-1))
+            self.place(state, flat, lo, hi)
         everyone = self.headers(channel, mine)
         if not (everyone[:, :4] == everyone[self.rank, :4]).all():
             raise HorovodInternalError(
@@ -135,17 +150,15 @@ class SharedMemory:
         if grow:  # rank 0's token in the files' names: this job's files apart from another's
             self.grow(state, channel, nbytes, int(everyone[0, 4]))
             if not state.ring_only:
-                state.places[self.rank][:nbytes].view(tensor.dtype).copy_(tensor.reshape(-1))
+                self.place(state, flat, lo, hi)
                 self.headers(channel, [_MARK, state.calls])  # every place written
         if state.ring_only:
             ring()
             return
         self.served += 1
-        count = tensor.numel()
-        per = _segment(count, tensor.element_size(), self.size)
-        lo, hi = min(count, self.rank * per), min(count, (self.rank + 1) * per)
-        if hi > lo:
-            views = [place.view(tensor.dtype)[lo:hi] for place in state.places]
+        if hi > lo:  # this rank's own share straight from its tensor (it is in no place: nobody else reads it)
+            views = [flat[lo:hi] if r == self.rank else place.view(tensor.dtype)[lo:hi]
+                     for r, place in enumerate(state.places)]
             total = state.results[self.rank].view(tensor.dtype)[:hi - lo]
             torch.add(views[0], views[1], out=total)
             for view in views[2:]:
@@ -154,8 +167,18 @@ class SharedMemory:
         target = (tensor if into is None else into).view(-1)
         for r in range(self.size):
             a, b = min(count, r * per), min(count, (r + 1) * per)
-            if b > a:
+            if b > a and scale != 1.0:  # the scale in the same pass: Horovod's (a + b) * scale, alike on every rank
+                torch.mul(state.results[r].view(tensor.dtype)[:b - a], scale, out=target[a:b])
+            elif b > a:
                 target[a:b].copy_(state.results[r].view(tensor.dtype)[:b - a])
+
+    def place(self, state: _Channel, flat: torch.Tensor, lo: int, hi: int) -> None:
+        """``flat`` into this rank's place, all but its own segment ``lo:hi`` (only the other ranks read a place)."""
+        mine = state.places[self.rank].view(flat.dtype)
+        if lo > 0:
+            mine[:lo].copy_(flat[:lo])
+        if hi < flat.numel():
+            mine[hi:flat.numel()].copy_(flat[hi:])
 
     def grow(self, state: _Channel, channel: int, nbytes: int, token: int) -> None:
         """Every rank's files for ``channel`` at a new size (all ranks at once): made, mapped by all, unlinked.

@@ -134,9 +134,9 @@ def test_large_calls_that_differ_between_ranks_are_refused_before_the_ring(job, 
 
 
 def test_buckets_go_through_shared_memory_from_its_threshold_and_by_the_ring_below_it(job):
-    """Buckets of 8 MB and more go through shared memory (every rank on this machine); the cases with the
+    """Buckets of 512 KB and more go through shared memory (every rank on this machine); the cases with the
     threshold lowered to 1 byte sent every direct step's buckets that way, and gave Horovod's path's result
-    (test_direct_path_matches_horovods_on_every_rank); the model's own buckets, all far below 8 MB, never."""
+    (test_direct_path_matches_horovods_on_every_rank); the model's own buckets, all far below 512 KB, never."""
     for r in job.ranks:
         for case in CASES:
             direct = r["cases"][case]["direct"]

@@ -59,20 +59,20 @@ def train(path: str, options: Dict[str, Any], skip_rank: int = -1, passes: int =
           local_first: bool = False, in_place: bool = False, lanes: bool = False, shm: bool = False) -> Dict[str, Any]:
     """``in_place``: the two hidden weights (6144 and 9216 elements) allreduced in their own .grad; ``lanes``:
     gathered buckets of 5000 elements, two of them, on the two sender lanes (else every gradient is gathered
-    into one bucket); ``shm``: every bucket through shared memory (its threshold, 8 MB, lowered to 1 byte)."""
+    into one bucket); ``shm``: every bucket through shared memory (its threshold, 512 KB, lowered to 1 byte)."""
     from hvdp.backends import torch_buckets, torch_shm
     from hvdp.backends import torch_direct_buckets as buckets
-    defaults = buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET, torch_shm.SHM_MIN_BYTES
+    defaults = buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET, torch_shm.BUCKET_MIN_BYTES
     buckets.IN_PLACE = 5000 if in_place else buckets.IN_PLACE
     if lanes:
         torch_buckets.FIRST = torch_buckets.BUCKET = 5000
-    torch_shm.SHM_MIN_BYTES = 1 if shm else torch_shm.SHM_MIN_BYTES
+    torch_shm.BUCKET_MIN_BYTES = 1 if shm else torch_shm.BUCKET_MIN_BYTES
     local = torch_direct_calls.local_memory()
     served = local.served if local is not None else 0
     try:
         found = trained(path, options, skip_rank, passes, local_first)
     finally:
-        buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET, torch_shm.SHM_MIN_BYTES = defaults
+        buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET, torch_shm.BUCKET_MIN_BYTES = defaults
     found["shared memory calls"] = (local.served if local is not None else 0) - served
     return found
 
