@@ -243,7 +243,7 @@ class DirectGradients:
                 continue
             # Copied out into each .grad, as Horovod's path leaves .grad: its own tensor (a view of the bucket
             # would save the copy, but a .grad kept from an earlier step would then change under its holder at
-            # the next backward). The bucket is scaled first: two calls for all its parameters.
+            # the next backward). The last bucket (the others come back averaged) is scaled first, in one call.
             if scale != 1.0 and last:
                 bucket.whole().mul_(scale)
             grads = []
