@@ -19,7 +19,7 @@ again, on the same cores the model's compute runs on. Here each rank has, per ch
 
 Each rank reads and writes only its own segment in step 2, and a rank's next call on the channel writes
 its places only after the next call's first exchange, so no lock is needed beyond the two exchanges.
-With np=2 a call moves 4.5 times the tensor's bytes through memory on each rank (1.5 to copy in, 1.5 to
+With np=2 a call moves 4.5 times the tensor's bytes through memory on each rank (1 to copy in, 1.5 to
 sum, 2 to copy out), where the ring's loopback copies it into the kernel and out again, on the cores
 that compute, besides the protocol's own work.
 The places grow with the largest tensor of the channel (all ranks at once: their headers agree); a rank

@@ -57,15 +57,15 @@ def fit_against_union(rank: int, size: int) -> dict:
     hvdp.broadcast_state(model, optimizer)  # ... until broadcast
     start = flat(model)
     x, y = rank_data(rank, PER_RANK_BATCH * STEPS)
-    shm = None
-    if keras.backend.backend() == "torch":  # its direct updates through shared memory (threshold lowered: 1 byte)
+    shm, on_torch = None, keras.backend.backend() == "torch"
+    if on_torch:  # its direct updates through shared memory (threshold lowered: 1 byte)
         from hvdp.backends import torch_direct_calls, torch_shm
         shm, least = torch_direct_calls.local_memory(), torch_shm.SHM_MIN_BYTES
         served, torch_shm.SHM_MIN_BYTES = (shm.served if shm is not None else 0), 1
     try:
         model.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
     finally:
-        if keras.backend.backend() == "torch":
+        if on_torch:
             torch_shm.SHM_MIN_BYTES = least
     shared = shm.served - served if shm is not None else None
 
