@@ -235,17 +235,15 @@ class DirectGradients:
         self.active = False
         self.wait("gradients")
         changed, finished = (int(v) for v in self.buckets[-1].whole()[-2:].tolist())
-        scale = self.scale()
-        for b, bucket in enumerate(self.buckets):
-            last = b == len(self.buckets) - 1
+        if self.step_scale != 1.0:  # the last bucket (always a gathered one) came back summed: it carries the counts
+            self.buckets[-1].whole().mul_(self.step_scale)
+        for bucket in self.buckets:
             if bucket.in_place:  # the average is in .grad already (the sender scaled it)
                 bucket.flat = None
                 continue
             # Copied out into each .grad, as Horovod's path leaves .grad: its own tensor (a view of the bucket
             # would save the copy, but a .grad kept from an earlier step would then change under its holder at
-            # the next backward). The last bucket (the others come back averaged) is scaled first, in one call.
-            if scale != 1.0 and last:
-                bucket.whole().mul_(scale)
+            # the next backward).
             grads = []
             for p, place in zip(bucket.params, bucket.shaped):
                 if p.grad is None or p.grad.is_sparse:

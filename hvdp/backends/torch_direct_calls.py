@@ -96,15 +96,16 @@ class DirectAllreduce:
              scale: float = 1.0) -> None:
         """Gloo's ring allreduce (the network stack, also between ranks of one machine), times ``scale``."""
         assert self.entry is not None
+        out = tensor if into is None else into
         error = ctypes.create_string_buffer(1024)
-        code = self.entry(tensor.data_ptr(), (tensor if into is None else into).data_ptr(), tensor.numel(),
+        code = self.entry(tensor.data_ptr(), out.data_ptr(), tensor.numel(),
                           _DTYPES[tensor.dtype], channel, timeout_ms(), error, len(error))
         if code == 2:
             raise HorovodInternalError("hvdp's direct allreduce needs a Gloo job (this one runs on MPI).")
         if code != 0:
             raise HorovodInternalError(error.value.decode(errors="replace"))
         if scale != 1.0:
-            (tensor if into is None else into).mul_(scale)
+            out.mul_(scale)
 
 
 #: A sender's job: the flat tensor to sum in place, the factor to multiply the sum by, the event set when it is

@@ -167,10 +167,11 @@ class SharedMemory:
         target = (tensor if into is None else into).view(-1)
         for r in range(self.size):
             a, b = min(count, r * per), min(count, (r + 1) * per)
+            summed = state.results[r].view(tensor.dtype)[:b - a]
             if b > a and scale != 1.0:  # the scale in the same pass: Horovod's (a + b) * scale, alike on every rank
-                torch.mul(state.results[r].view(tensor.dtype)[:b - a], scale, out=target[a:b])
+                torch.mul(summed, scale, out=target[a:b])
             elif b > a:
-                target[a:b].copy_(state.results[r].view(tensor.dtype)[:b - a])
+                target[a:b].copy_(summed)
 
     def place(self, state: _Channel, flat: torch.Tensor, lo: int, hi: int) -> None:
         """``flat`` into this rank's place, all but its own segment ``lo:hi`` (only the other ranks read a place)."""
