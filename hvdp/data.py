@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import importlib
 import numbers
+import sys
 from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -29,18 +31,85 @@ def shard_indices(n_examples: int, rank: int, size: int, *, shuffle: bool = True
         >>> shard_indices(5, 1, 2, shuffle=False).tolist()
         [1, 3, 0]
     """
+    _check_count(n_examples)
+    order = np.random.default_rng([seed, epoch]).permutation(n_examples) if shuffle else np.arange(n_examples)
+    if drop_remainder and n_examples < size:
+        raise ValueError(f"n_examples={n_examples} is fewer than size()={size} with "
+                         "drop_remainder=True, so every rank would get no example. "
+                         "Use drop_remainder=False or more data.")
+    return deal(order, rank, size, drop_remainder)
+
+
+def deal(order: np.ndarray, rank: int, size: int, drop_last: bool) -> np.ndarray:
+    """``rank``'s share of ``order`` when ``size`` ranks take its indices in turn, every share one length.
+
+    Without ``drop_last`` the order is repeated from its start (as many times as it takes) until it fills
+    ``size`` equal shares; with it, it is cut to the largest multiple of ``size`` (to nothing when it is
+    shorter than ``size``). Then rank ``r`` takes every ``size``-th index from ``r``: the rule of
+    ``torch.utils.data.DistributedSampler`` and of :func:`shard_indices`.
+
+    Example:
+        >>> deal(np.array([4, 0, 1, 3, 2]), 1, 2, drop_last=False).tolist()
+        [0, 3, 4]
+    """
+    per_rank = len(order) // size if drop_last else -(-len(order) // size)
+    return np.resize(order, per_rank * size)[rank::size]
+
+
+#: Below this many examples torch's CPU randperm draws one 32-bit number a swap (aten's ``randperm_cpu``:
+#: ``n < std::numeric_limits<uint32_t>::max() / 20``); :func:`ddp_order` makes those draws with NumPy.
+_ONE_DRAW_BELOW = (2**32 - 1) // 20
+
+
+def ddp_order(n_examples: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0) -> np.ndarray:
+    """The order ``torch.utils.data.DistributedSampler`` deals in ``epoch``.
+
+    Shuffled, ``torch.randperm(n_examples)`` from a ``torch.Generator`` seeded ``seed + epoch``; in
+    order, 0, 1, 2, ... When torch is loaded (every torch job), torch draws it. Otherwise NumPy makes the
+    same draws torch's CPU ``randperm`` makes (its Mersenne Twister, seeded from the seed's low 32 bits
+    as torch's is, and its swaps), so a TensorFlow-only job gets the same order without torch; beyond
+    214,748,364 examples, where torch draws differently, torch is imported.
+
+    Example:
+        >>> ddp_order(5, seed=0).tolist()
+        [4, 0, 1, 3, 2]
+    """
+    _check_count(n_examples)
+    if not shuffle:
+        return np.arange(n_examples)
+    torch = sys.modules.get("torch")
+    if torch is None and n_examples >= _ONE_DRAW_BELOW:
+        try:
+            torch = importlib.import_module("torch")
+        except ImportError as exc:
+            raise ImportError(f"hvdp.DistributedSampler: {n_examples} examples are dealt in the order torch's "
+                              f"randperm draws for so many, which needs torch, and it is not installed "
+                              f"({exc}). Install it (pip install torch==2.13.0), or deal hvdp's own order with "
+                              f"hvdp.shard(n, seed=, epoch=).") from exc
+    if torch is not None:
+        generator = torch.Generator()
+        generator.manual_seed(seed + epoch)
+        return torch.randperm(n_examples, generator=generator).numpy()
+    return _randperm(n_examples, seed + epoch)
+
+
+def _randperm(n_examples: int, seed: int) -> np.ndarray:
+    """``torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed))`` on the CPU, below
+    :data:`_ONE_DRAW_BELOW` examples, without torch: the same MT19937 stream (torch seeds it from the seed's
+    low 32 bits, as NumPy's ``RandomState`` does) and the same swaps, ``i`` with ``i + draw % (n - i)``."""
+    seeded: Any = np.random.RandomState(seed & 0xFFFFFFFF).get_state(legacy=False)
+    bits = np.random.MT19937()
+    bits.state = seeded
+    offsets = (bits.random_raw(n_examples - 1) % np.arange(n_examples, 1, -1, dtype=np.uint64)).tolist()
+    order = list(range(n_examples))
+    for i, offset in enumerate(offsets):
+        order[i], order[i + offset] = order[i + offset], order[i]
+    return np.array(order, dtype=np.int64)
+
+
+def _check_count(n_examples: int) -> None:
     if isinstance(n_examples, bool) or not isinstance(n_examples, numbers.Integral) or n_examples < 1:
         raise ValueError(f"n_examples={n_examples!r}; expected an integer >= 1.")
-    order = np.random.default_rng([seed, epoch]).permutation(n_examples) if shuffle else np.arange(n_examples)
-    if drop_remainder:
-        per_rank = n_examples // size
-        if per_rank == 0:
-            raise ValueError(f"n_examples={n_examples} is fewer than size()={size} with "
-                             "drop_remainder=True, so every rank would get no example. "
-                             "Use drop_remainder=False or more data.")
-    else:
-        per_rank = -(-n_examples // size)
-    return np.resize(order, per_rank * size)[rank::size]
 
 
 def epoch_order(n_examples: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0) -> np.ndarray:
@@ -50,8 +119,7 @@ def epoch_order(n_examples: int, *, shuffle: bool = True, seed: int = 0, epoch: 
         >>> epoch_order(4, shuffle=False).tolist()
         [0, 1, 2, 3]
     """
-    if isinstance(n_examples, bool) or not isinstance(n_examples, numbers.Integral) or n_examples < 1:
-        raise ValueError(f"n_examples={n_examples!r}; expected an integer >= 1.")
+    _check_count(n_examples)
     return np.random.default_rng([seed, epoch]).permutation(n_examples) if shuffle else np.arange(n_examples)
 
 
@@ -123,17 +191,22 @@ def _count(dataset: Any, caller: str) -> int:
 class DistributedSampler:
     """The example indices this rank takes each epoch, as a sampler: ``DataLoader(ds, sampler=...)``.
 
-    DDP's ``torch.utils.data.DistributedSampler`` under hvdp: the ranks (or a process set's members)
-    deal one order of the examples, the same on every rank (from ``seed`` and the epoch given to
-    :meth:`set_epoch`), and each takes every ``size``-th index from its own offset
-    (:func:`shard_indices`). Every rank gets ``len(sampler)`` indices, so all take the same number of
-    steps: without ``drop_last`` the shards are completed with indices from the start of the order
-    (:attr:`repeated` of them, at most size - 1); with it, the last ``n % size`` examples of the
-    order are left out this epoch (:attr:`left_out`). The ranks and the size are read each time an
-    epoch starts, so after an elastic job changes size the next epoch is dealt to the workers present
-    (to resume in the middle of an epoch, use :class:`hvdp.elastic.Sampler`).
+    DDP's ``torch.utils.data.DistributedSampler`` under hvdp, index for index: with the same ``seed``,
+    ``shuffle``, ``drop_last`` and epoch, every rank (or process set member) gets exactly the indices
+    DDP's sampler gives the rank of that number out of that many replicas. The ranks deal one order
+    (:func:`ddp_order`: ``torch.randperm`` seeded ``seed`` + the epoch given to :meth:`set_epoch`, the
+    same on every rank), and each takes every ``size``-th index from its own offset (:func:`deal`).
+    Every rank gets ``len(sampler)`` indices, so all take the same number of steps: without
+    ``drop_last`` the shares are completed with indices from the start of the order (:attr:`repeated`
+    of them, at most size - 1); with it, the last
+    ``n % size`` examples of the order are left out this epoch (:attr:`left_out`; all of them, and no
+    index for any rank, when there are fewer examples than ranks, as with DDP's). :func:`hvdp.shard`
+    deals hvdp's own order instead (NumPy's, by the same rule). The ranks and the size are read each
+    time an epoch starts, so after an elastic job changes size the next epoch is dealt to the workers
+    present (to resume in the middle of an epoch, use :class:`hvdp.elastic.Sampler`, which deals
+    hvdp's own order).
 
-    It works for any framework: iterate it for the indices.
+    It works for any framework: iterate it for the indices (without torch, NumPy draws torch's order).
 
     Args:
         dataset: a map-style dataset (anything with ``len()``), or the number of examples.
@@ -179,8 +252,8 @@ class DistributedSampler:
     def indices(self) -> np.ndarray:
         """This rank's indices for the current epoch."""
         rank, size = world(self.process_set, "DistributedSampler")
-        return shard_indices(self.n_examples, rank, size, shuffle=self.shuffle, seed=self.seed,
-                             epoch=self.epoch, drop_remainder=self.drop_last)
+        order = ddp_order(self.n_examples, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch)
+        return deal(order, rank, size, self.drop_last)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())
