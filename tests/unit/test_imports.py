@@ -62,9 +62,10 @@ def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
 #: hvdp's layers, top first: a module imports only modules of its own layer and of layers below it.
 #: A name ending in ``.*`` takes the package's modules; the longest match places a module.
 LAYERS = (
-    ("tools", "the commands, above the library they run: hvdp run, build, doctor, bench, report",
+    ("tools", "the commands, above the library they run: hvdp run, build, doctor, bench, report, and hvdp.ray (Ray "
+     "Train's backend: a launcher too)",
      ("hvdp.cli", "hvdp.launch", "hvdp.launch.*", "hvdp.horovod_build", "hvdp.horovod_build.*",
-      "hvdp.doctor", "hvdp.bench", "hvdp.bench.*", "hvdp.report")),
+      "hvdp.doctor", "hvdp.bench", "hvdp.bench.*", "hvdp.report", "hvdp.ray", "hvdp.ray.*")),
     ("facade", "the public API and the modules that implement its calls (hvdp.keras: the Keras callbacks)",
      ("hvdp", "hvdp.keras", "hvdp._keras_callbacks", "hvdp._keras_layers", "hvdp.validate", "hvdp.collectives",
       "hvdp.process_sets", "hvdp.communicators", "hvdp.joining", "hvdp.elastic", "hvdp.checkpoint", "hvdp.data",
