@@ -37,6 +37,54 @@ def resolve_hosts(args: RunArgs, environ: Mapping[str, str]) -> Tuple[Optional[H
                       environ)
 
 
+def framework_env(framework: str, environ: Mapping[str, str], source: str) -> Dict[str, str]:
+    """``HVDP_FRAMEWORK`` and ``KERAS_BACKEND`` for every rank; a value ``environ`` already holds that
+    differs is refused, naming ``source`` (what asked for ``framework``).
+
+    Example:
+        >>> framework_env("torch", {}, "hvdp run --framework torch")
+        {'HVDP_FRAMEWORK': 'torch', 'KERAS_BACKEND': 'torch'}
+    """
+    env: Dict[str, str] = {}
+    for var in (_runtime.ENV_VAR, "KERAS_BACKEND"):
+        current = environ.get(var)
+        if current and current != framework:
+            raise LaunchError(f"{source} contradicts {var}={current} in your environment. "
+                              f"Unset {var} or make the two agree.")
+        env[var] = framework
+    return env
+
+
+def thread_env(threads: int, environ: Mapping[str, str]) -> Dict[str, str]:
+    """The thread settings for a rank of ``threads`` cores, leaving out those ``environ`` sets.
+
+    Example:
+        >>> sorted(thread_env(2, {"OMP_NUM_THREADS": "4"}).items())
+        [('TF_NUM_INTEROP_THREADS', '1'), ('TF_NUM_INTRAOP_THREADS', '2')]
+    """
+    env = {var: str(threads) for var in THREAD_VARS if var not in environ}
+    if "TF_NUM_INTEROP_THREADS" not in environ:
+        env["TF_NUM_INTEROP_THREADS"] = "1"
+    return env
+
+
+def stall_env(stall_timeout: int, environ: Mapping[str, str]) -> Dict[str, str]:
+    """Horovod's stall inspector set to end a job ``stall_timeout`` seconds into a stall (0: never),
+    unless ``environ`` sets it already.
+
+    Example:
+        >>> stall_env(10, {})
+        {'HOROVOD_STALL_CHECK_TIME_SECONDS': '2', 'HOROVOD_STALL_SHUTDOWN_TIME_SECONDS': '10'}
+    """
+    if stall_timeout == 0:
+        return {"HOROVOD_STALL_CHECK_DISABLE": "1"}
+    if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" in environ:
+        return {}
+    # Horovod checks every CHECK seconds and ends the job at the first check past SHUTDOWN.
+    return {"HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, min(60, stall_timeout // 5))),
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(stall_timeout)}
+
+
 def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
                   horovodrun: str = "horovodrun") -> Tuple[List[str], Dict[str, str]]:
     """The horovodrun argv and the environment variables hvdp sets for the job.
@@ -52,14 +100,7 @@ def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
     """
     env: Dict[str, str] = {}
     if args.framework:
-        for var, label in ((_runtime.ENV_VAR, "HVDP_FRAMEWORK"), ("KERAS_BACKEND", "KERAS_BACKEND")):
-            current = environ.get(var)
-            if current and current != args.framework:
-                raise LaunchError(
-                    f"hvdp run --framework {args.framework} contradicts {label}={current} in your "
-                    f"environment. Unset {label} or make the two agree."
-                )
-            env[var] = args.framework
+        env.update(framework_env(args.framework, environ, f"hvdp run --framework {args.framework}"))
     if args.controller == "mpi" and not shutil.which("mpirun", path=environ.get("PATH")):
         raise LaunchError("hvdp run --mpi: mpirun not found. Fix: apt-get install -y openmpi-bin "
                           "libopenmpi-dev, or use --gloo.")
@@ -80,22 +121,13 @@ def build_command(args: RunArgs, environ: Mapping[str, str], cpu_count: int,
         # Remote hosts' cores are unknown, except in a Slurm allocation that says how many each task has.
         threads = environ.get("SLURM_CPUS_PER_TASK", "") if origin == "the Slurm allocation" else ""
     if threads.isdigit() and int(threads) > 0:
-        for var in THREAD_VARS:
-            if var not in environ:
-                env[var] = threads
-        if "TF_NUM_INTEROP_THREADS" not in environ:
-            env["TF_NUM_INTEROP_THREADS"] = "1"
+        env.update(thread_env(int(threads), environ))
     env.update(defaults.horovod_defaults(args.controller, args.framework, hosts is None, environ))
     if args.profile:
         env["HVDP_PROFILE_DIR"] = str(Path(args.profile).expanduser().absolute())
     if args.timeline:
         env["HOROVOD_TIMELINE"] = str(Path(args.timeline).expanduser().absolute())
-    if args.stall_timeout == 0:
-        env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
-    elif "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in environ:
-        # Horovod checks every CHECK seconds and ends the job at the first check past SHUTDOWN.
-        env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(max(1, min(60, args.stall_timeout // 5)))
-        env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(args.stall_timeout)
+    env.update(stall_env(args.stall_timeout, environ))
     argv = [horovodrun, "-np", str(num_proc), f"--{args.controller}"]
     if hosts is not None:
         argv += ["-H", _hosts_arg(hosts)]
