@@ -13,6 +13,7 @@ worker 1 exit at epoch N of the first attempt (with ``--max-failures 1`` Ray sta
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import pickle
@@ -98,8 +99,12 @@ def train_loop(config: Dict[str, Any]) -> None:
     """Each worker's loop: one hvdp job per worker group, resumed from Ray's checkpoint after a failure."""
     entered = time.time()
     started = time.perf_counter()
+    # The framework HvdpConfig set for this worker (Keras picks its backend from KERAS_BACKEND, set too):
+    # imported first, so that the time of hvdp.init() below is Horovod's start and Gloo's rendezvous.
+    importlib.import_module("torch" if os.environ["HVDP_FRAMEWORK"] == "torch" else "keras")
+    import_s = time.perf_counter() - started
     hvdp.init()
-    rendezvous_s = time.perf_counter() - started
+    rendezvous_s = time.perf_counter() - started - import_s
     rank, size = hvdp.rank(), hvdp.size()
     x_train, y_train, x_test, y_test = ray.get(config["data"])
     batch = config["batch_size"] if hvdp.framework() == "torch" else len(x_train)  # fit batches itself
@@ -136,7 +141,7 @@ def train_loop(config: Dict[str, Any]) -> None:
         "node_ip": ray.util.get_node_ip_address(), "local_rank": hvdp.local_rank(), "local_size": hvdp.local_size(),
         "cross_rank": hvdp.cross_rank(), "cross_size": hvdp.cross_size(), "framework": hvdp.framework(),
         "keras_backend": os.environ.get("KERAS_BACKEND"), "ray_start_s": entered - config["submitted"],
-        "rendezvous_s": rendezvous_s, "train_s": train_s, "weights_sum": float(flat.sum())})
+        "import_s": import_s, "rendezvous_s": rendezvous_s, "train_s": train_s, "weights_sum": float(flat.sum())})
     if rank == 0:
         with tempfile.TemporaryDirectory() as folder:
             np.save(os.path.join(folder, "weights.npy"), flat)
@@ -151,6 +156,8 @@ def main() -> None:
     parser.add_argument("--framework", choices=["torch", "tensorflow"], default="torch")
     parser.add_argument("--address", default=None, help="a running Ray cluster (HEAD:PORT); default: a local one")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_SPREAD"],
+                        help="Ray's placement of the workers on the nodes (ScalingConfig)")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32, help="examples per worker per step (torch)")
     parser.add_argument("--lr", type=float, default=0.001, help="learning rate for one worker")
@@ -169,7 +176,8 @@ def main() -> None:
               "fault_epoch": args.fault_epoch, "submitted": time.time()}
     trainer = HvdpTrainer(train_loop, train_loop_config=config,
                           hvdp_config=HvdpConfig(framework=args.framework, stall_timeout=60),
-                          scaling_config=ScalingConfig(num_workers=args.workers),
+                          scaling_config=ScalingConfig(num_workers=args.workers,
+                                                       placement_strategy=args.placement_strategy),
                           run_config=RunConfig(name=f"digits-{args.framework}-{int(begun)}", storage_path=storage,
                                                failure_config=FailureConfig(max_failures=args.max_failures),
                                                checkpoint_config=CheckpointConfig(num_to_keep=2)))

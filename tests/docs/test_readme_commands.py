@@ -61,9 +61,11 @@ ELSEWHERE: Dict[str, Tuple[str, str]] = {
         ("tests/cluster/test_slurm.py", 'f"--{controller}", "--", str(DIGITS_RANK)'),
     "squeue --me; scancel JOBID": ("tests/cluster/test_slurm.py", '"scancel"'),
     "hvdp bench --smoke": ("tests/parallel/test_bench_smoke.py", '"bench", "--smoke"'),
+    "pip install -e '.[ray]'": ("scripts/setup.sh", "dev,ray]'"),
 }
 
 _NO_ENGINE = "no Docker engine here (tests/cluster/test_static.py lints the Dockerfiles and validates Compose)"
+_NO_RAY_HOSTS = "no hosts 10.0.0.1, 10.0.0.2 here (tests/cluster/test_ray_two_nodes.py runs the same in namespaces)"
 _NO_K8S = "no Kubernetes cluster or registry here (test_static.py validates the MPIJob's pod templates)"
 #: not run by the test suite, and why
 NOT_RUN: Dict[str, str] = {
@@ -93,6 +95,13 @@ NOT_RUN: Dict[str, str] = {
     "hvdp bench --quick": "2 rounds of every comparison take 4-9 min; make test runs its plan at the smoke size",
     "hvdp bench --json bench.json --plot bench.png": "the full benchmark takes about 25 min",
     "hvdp bench --only native,scaling --rounds 5": "5 rounds of two sections take about 15 min",
+    "python examples/ray_digits.py --framework torch":
+        "starts a Ray cluster of its own; tests/parallel/test_ray.py runs the script on the module's cluster",
+    "python examples/ray_digits.py --framework tensorflow --address HEAD:6379":
+        "no cluster HEAD here; tests/cluster/test_ray_two_nodes.py runs --address on two network namespaces",
+    "ray start --head --node-ip-address 10.0.0.1 --port 6379 --num-cpus 2": _NO_RAY_HOSTS,
+    "ray start --address 10.0.0.1:6379 --node-ip-address 10.0.0.2 --num-cpus 2": _NO_RAY_HOSTS,
+    "python examples/ray_digits.py --address 10.0.0.1:6379 --placement-strategy STRICT_SPREAD": _NO_RAY_HOSTS,
 }
 
 SHELL_LANGS = ("bash", "sh", "shell", "console")
