@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from hvdp import _runtime, elastic, keras, profiler
+from hvdp import _keras_fit, _runtime, elastic, keras, profiler
 from hvdp import checkpoint as _checkpoint
 from hvdp import communicators as _communicators
 from hvdp import consistency as _consistency
@@ -46,6 +46,7 @@ from hvdp.errors import (
     ProcessSetError,
     ReplicaMismatchError,
     TensorMismatchError,
+    TrainingMismatchError,
 )
 from hvdp.grouped import grouped_allgather, grouped_allreduce, grouped_reducescatter
 from hvdp.joining import join
@@ -56,13 +57,12 @@ __version__ = "0.1.0"
 __all__ = [
     "BuildError", "CheckpointError", "DistributedOptimizer", "DistributedSampler", "FrameworkError", "HvdpError",
     "LaunchError", "NotInitializedError", "DistributedGradientTape", "ProcessSet", "ProcessSetError",
-    "ReplicaMismatchError", "SyncBatchNorm", "TensorMismatchError", "__version__", "add_process_set",
-    "convert_sync_batchnorm", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
-    "broadcast_object", "broadcast_state", "check_consistency", "load_checkpoint", "save_checkpoint",
+    "ReplicaMismatchError", "SyncBatchNorm", "TensorMismatchError", "TrainingMismatchError", "__version__",
+    "add_process_set", "convert_sync_batchnorm", "allgather", "allgather_object", "allreduce", "alltoall", "barrier",
+    "broadcast", "broadcast_object", "broadcast_state", "check_consistency", "load_checkpoint", "save_checkpoint",
     "cross_rank", "cross_size", "elastic", "framework", "grouped_allgather", "grouped_allreduce",
-    "grouped_reducescatter", "init", "is_initialized", "join", "keras", "local_rank", "local_size",
-    "my_process_set", "rank", "profiler", "reducescatter", "remove_process_set", "shard", "shard_dataset",
-    "shutdown", "size",
+    "grouped_reducescatter", "init", "is_initialized", "join", "keras", "local_rank", "local_size", "my_process_set",
+    "rank", "profiler", "reducescatter", "remove_process_set", "shard", "shard_dataset", "shutdown", "size",
 ]
 
 
@@ -261,6 +261,7 @@ def DistributedOptimizer(
     )
     ranks = _process_sets.members(process_set, "DistributedOptimizer")
     wrapped._hvdp_whole_job = process_set is None
+    wrapped._hvdp_process_set = process_set  # Keras fit's metrics and stop agree over these ranks
     if every and len(ranks) > 1:
         if process_set is None:  # join-safe: a rank waiting in hvdp.join is left out of the comparison
             def gather(obj: Any) -> Any:
@@ -275,6 +276,7 @@ def DistributedOptimizer(
 
 
 _runtime.wrap_optimizers_with(DistributedOptimizer)  # for Keras optimizers load_model gives back
+_runtime.keras_semantics_from(_keras_fit.install)  # fit and evaluate as under MultiWorkerMirroredStrategy
 
 
 def save_checkpoint(path: str, model: Any, optimizer: Any = None, **extras: Any) -> None:

@@ -6,7 +6,7 @@ from typing import Any, Dict, Optional
 
 import keras
 
-from hvdp import _runtime
+from hvdp import _keras_fit, _runtime
 from hvdp.collectives import allreduce, broadcast_state
 from hvdp.process_sets import ProcessSet
 
@@ -36,9 +36,12 @@ class BroadcastInitialState(keras.callbacks.Callback):
 class MetricAverage(keras.callbacks.Callback):
     """At the end of each epoch, replace every logged metric with its average over ranks.
 
-    Put it before callbacks that read the metrics (checkpoints, early stopping),
-    so that every rank sees, and decides on, the same numbers. With
-    ``process_set``, the average is over the set's members.
+    A model compiled with an :func:`hvdp.DistributedOptimizer` needs it no more: ``fit`` and
+    ``evaluate`` already read their metrics over the optimizer's ranks, weighted by each rank's
+    examples, and this callback then leaves those logs as they are (no second average). It still
+    averages the logs of other models, equally per rank. Put it before callbacks that read the
+    metrics (checkpoints, early stopping), so that every rank sees, and decides on, the same numbers.
+    With ``process_set``, the average is over the set's members.
 
     Example:
         >>> model.fit(x, y, callbacks=[hvdp.keras.MetricAverage()])  # doctest: +SKIP
@@ -49,7 +52,8 @@ class MetricAverage(keras.callbacks.Callback):
         self.process_set = process_set
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        if not logs:
+        job = _keras_fit.job_of(self.model)
+        if not logs or (job is not None and job.process_set is self.process_set):  # over these ranks already
             return
         for key in sorted(logs):
             value = logs[key]
@@ -215,6 +219,10 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             self._hvdp_batches = getattr(self, "_hvdp_batches", 0) + 1
             saving = self._hvdp_batches >= self.save_freq
             self._hvdp_batches = 0 if saving else self._hvdp_batches
+        optimizer: Any = getattr(self.model, "optimizer", None)
+        guard = getattr(optimizer, "_hvdp_guard", None)
+        if saving and guard is not None and guard.every:  # (at an epoch's end, fit has compared them already)
+            guard.check(optimizer._hvdp_parameters_of(self.model), f"before saving after batch {batch + 1}")
         done = self._prepare(saving)
         if self._leader():
             super().on_train_batch_end(batch, logs)

@@ -2,8 +2,9 @@
 
 - ``keras.models.load_model`` (every loader that compiles a model from its saved config)
   gives back an optimizer that still averages (:func:`rewrap_loaded_optimizers`);
-- ``model.fit`` runs the drift guard of an hvdp optimizer after each batch, and joins the
-  ranks at each epoch's end inside ``hvdp.join`` (:func:`guard_fits`).
+- ``model.fit`` runs the drift guard of an hvdp optimizer after each batch, joins the
+  ranks at each epoch's end inside ``hvdp.join``, and runs the ranks' agreement of
+  :mod:`hvdp._keras_fit` around the user's callbacks (:func:`guard_fits`).
 
 Installed by ``hvdp.init()`` through :func:`when_imported`, so a script that imports Keras
 after ``hvdp.init()`` (as it must, for ``KERAS_BACKEND``) gets them too. Nothing here imports
@@ -95,6 +96,10 @@ def attach_guard(optimizer: Any, after_step: Callable[[Callable[[], List[Tuple[s
 
 #: While an ``hvdp.join`` block is open: the call that joins every rank and syncs their state.
 epoch_join: List[Optional[Callable[[], Any]]] = [None]
+#: In a job: given (model, the user's callbacks, (epochs, initial epoch), inside hvdp.join), the callbacks
+#: ``fit`` runs instead, with the ranks' agreement around them, or None where the model needs none
+#: (:func:`hvdp._keras_fit.agreeing_callbacks`).
+agree_in_fit: List[Optional[Callable[[Any, List[Any], Tuple[int, int], bool], Optional[List[Any]]]]] = [None]
 
 
 def guard_fits() -> None:
@@ -141,10 +146,16 @@ def guard_fits() -> None:
                 "hvdp.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt)).")
         guarded = getattr(optimizer, "_hvdp_after_step", None) is not None
         sync = epoch_join[0]
-        if not guarded and sync is None:
-            return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         callbacks = list(bound.arguments.get("callbacks") or [])
+        epochs = bound.arguments.get("epochs", signature.parameters["epochs"].default)
+        first = bound.arguments.get("initial_epoch", signature.parameters["initial_epoch"].default)
+        agreeing = None if agree_in_fit[0] is None else agree_in_fit[0](
+            self, callbacks, (epochs, self._initial_epoch or first), sync is not None)
+        if not guarded and sync is None and agreeing is None:
+            return original(self, *args, **kwargs)
+        if agreeing is not None:  # the logs are the ranks' already; every rank stops where one asks to
+            callbacks = agreeing
         if sync is not None:  # first: the callbacks after it may reduce, and need every rank
             callbacks.insert(0, EpochJoin(sync))
         if guarded:
@@ -153,10 +164,14 @@ def guard_fits() -> None:
         if guarded:  # its updates are checked by DriftCheck, not by the optimizer's own check
             optimizer._hvdp_in_fit = True
         try:
-            return original(*bound.args, **bound.kwargs)
+            history = original(*bound.args, **bound.kwargs)
         finally:
             if guarded:
                 optimizer._hvdp_in_fit = False
+        guard = getattr(optimizer, "_hvdp_guard", None)
+        if guarded and guard is not None and guard.every:  # no fit ends with its replicas apart
+            guard.check(optimizer._hvdp_parameters_of(self), "at the end of model.fit")
+        return history
 
     fit._hvdp_guards = True  # type: ignore[attr-defined]
     keras.Model.fit = fit

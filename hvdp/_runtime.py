@@ -78,6 +78,16 @@ def wrap_optimizers_with(wrap: Callable[[Any], Any]) -> None:
     _optimizer_wrapper[:] = [wrap]
 
 
+#: What the facade adds to Keras's ``fit`` and ``evaluate`` in a job (hvdp._keras_fit.install), run once
+#: Keras is imported.
+_keras_semantics: List[Callable[[], None]] = []
+
+
+def keras_semantics_from(install: Callable[[], None]) -> None:
+    """Let the runtime give ``fit`` and ``evaluate`` the ranks' metrics and agreement, by ``install``."""
+    _keras_semantics[:] = [install]
+
+
 def check_name(name: object, source: str) -> str:
     """Return ``name`` if it is a supported framework, else raise FrameworkError."""
     if not isinstance(name, str) or name not in FRAMEWORKS:
@@ -236,8 +246,8 @@ def activate(
 
 
 def _keras_in_jobs() -> None:
-    """Inside a job, ``keras.models.load_model`` gives back an optimizer that still averages, and
-    ``fit`` runs the drift guard."""
+    """Inside a job, ``keras.models.load_model`` gives back an optimizer that still averages, ``fit`` runs
+    the drift guard, and ``fit`` and ``evaluate`` read their metrics over the ranks (:mod:`hvdp._keras_fit`)."""
 
     def wrap(optimizer: Any) -> Any:
         return _optimizer_wrapper[0](optimizer)
@@ -248,6 +258,8 @@ def _keras_in_jobs() -> None:
 
     _keras_jobs.rewrap_loaded_optimizers(wrap, distributed_job)
     _keras_jobs.guard_fits()
+    for install in _keras_semantics:
+        install()
 
 
 def _at_exit() -> None:
@@ -287,8 +299,10 @@ def deactivate(join: bool = True) -> None:
     if state.backend is not None and state.backend.is_initialized():
         backend, uneven = state.backend, []
 
-        def compare_steps() -> None:  # every rank has joined: one collective is safe here
+        def compare_steps() -> None:  # every rank has joined: collectives are safe here
             uneven.extend(consistency.uneven_steps(backend))
+            if not uneven:  # the same steps everywhere: the replicas must be identical too
+                consistency.final_check(backend)
 
         try:
             backend.shutdown(join, on_joined=compare_steps)

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Tuple, Union
 
 import numpy as np
 
+from hvdp import consistency
 from hvdp.errors import CheckpointError
 
 FORMAT = "hvdp-checkpoint"
@@ -145,7 +146,16 @@ def check_architecture(path: Union[str, Path], expected: List[Tuple[str, Tuple[i
 
 
 def save(backend: Any, path: Union[str, Path], model: Any, optimizer: Any, extras: Dict[str, Any]) -> None:
-    """Rank 0 writes; every rank returns, or raises CheckpointError if the write failed."""
+    """Rank 0 writes; every rank returns, or raises CheckpointError if the write failed.
+
+    First the replicas are compared (ReplicaMismatchError on every rank when they differ): rank 0's
+    file would otherwise stand for replicas that are no longer one model.
+    """
+    guard = getattr(optimizer, "_hvdp_guard", None)
+    if guard is not None and guard.every and guard.latest is not None:
+        guard.check(guard.latest(), f"before saving {path}")
+    elif backend.size() > 1:
+        consistency.check(backend, model, None, list(range(backend.size())))
     failure, gathered = None, None
     if getattr(optimizer, "_hvdp_shards", None) is not None:  # a sharded state is gathered by every rank
         try:

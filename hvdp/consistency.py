@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
@@ -183,15 +184,23 @@ class DriftGuard:
 
     def __init__(self, gather: Callable[[Any], List[Any]], ranks: List[int], every: int, whole_job: bool) -> None:
         self.gather, self.ranks, self.every, self.steps, self.whole_job = gather, ranks, every, 0, whole_job
+        #: How to list the parameters of the last update (the check at the job's end uses it).
+        self.latest: Optional[Callable[[], List[Tuple[str, np.ndarray]]]] = None
+        if whole_job and every:
+            _guards.append(weakref.ref(self))
 
     def after_step(self, parameters: Callable[[], List[Tuple[str, np.ndarray]]]) -> None:
         self.steps += 1
+        self.latest = parameters
         if self.whole_job:
             _job_steps[0] += 1
         if self.every and (self.steps == 1 or self.steps % self.every == 0):
             self.check(parameters())
 
-    def check(self, parameters: List[Tuple[str, np.ndarray]]) -> None:
+    def check(self, parameters: List[Tuple[str, np.ndarray]], when: str = "") -> None:
+        """Compare the replicas now (a collective): ReplicaMismatchError on every rank when they differ.
+
+        ``when`` says where a check outside the interval runs ("at the end of epoch 2")."""
         # None for a rank waiting in hvdp.join: only the ranks still stepping are compared.
         stepping = [(rank, theirs) for rank, theirs in zip(self.ranks, self.gather(digests(parameters)))
                     if theirs is not None]
@@ -200,8 +209,9 @@ class DriftGuard:
         if found:
             detail = how_far(self.gather, parameters, everyone, ranks)
             causes = "; ".join(f"({i}) {cause}" for i, cause in enumerate(LIKELY_CAUSES, 1))
+            where = f" ({when})" if when else ""
             raise ReplicaMismatchError(
-                f"Replicas drifted apart by step {self.steps}: compared with rank {stepping[0][0]}, "
+                f"Replicas drifted apart by step {self.steps}{where}: compared with rank {stepping[0][0]}, "
                 f"{'; '.join(found)}.{detail} Likely causes: {causes}. This check runs after step 1 and every "
                 f"{self.every} steps (HVDP_CHECK_EVERY=N to change, 0 to turn it off)."
             )
@@ -209,6 +219,24 @@ class DriftGuard:
 
 #: Updates taken by this rank's whole-job DistributedOptimizers (counted by their drift guards).
 _job_steps = [0]
+#: The whole-job drift guards of this process, in the order they were made (the same on every rank).
+_guards: List["weakref.ReferenceType[DriftGuard]"] = []
+
+
+def final_check(backend: Any) -> None:
+    """At shutdown, once every rank has joined: compare the replicas of every whole-job optimizer that
+    stepped, whatever its interval, so no job ends as a success with its replicas apart.
+
+    Every rank calls it (a collective); raises ReplicaMismatchError on every rank when they differ.
+    """
+    live = [guard for guard in (ref() for ref in _guards) if guard is not None and guard.latest is not None]
+    _guards.clear()
+    if len(set(backend.allgather_object(len(live), None))) > 1:
+        return  # the ranks made different optimizers: their step counts already say so
+    for guard in live:
+        latest = guard.latest
+        if latest is not None:
+            guard.check(latest(), "at the end of the job")
 
 
 def step_counts(guard: Optional[DriftGuard]) -> List[int]:

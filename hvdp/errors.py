@@ -37,6 +37,11 @@ class TensorMismatchError(HvdpError, ValueError):
     """Ranks passed tensors of different shapes or dtypes to the same collective."""
 
 
+class TrainingMismatchError(HvdpError, ValueError):
+    """Ranks run different trainings (``model.fit`` with other epochs or batches per epoch), so some
+    would wait for the others in a collective."""
+
+
 class CheckpointError(HvdpError, ValueError):
     """A checkpoint is missing, corrupt, truncated, from the other framework or another architecture."""
 

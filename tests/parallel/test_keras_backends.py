@@ -56,9 +56,9 @@ def test_fit_on_different_data_keeps_replicas_identical_and_equals_one_process_o
 def test_callbacks_broadcast_average_metrics_and_warm_up(job):
     r0, r1 = (rank["callbacks"] for rank in job.ranks)
     assert r0["before"] != r1["before"] and r0["after"] == r1["after"]  # BroadcastInitialState
-    assert r0["history"] == r1["history"] and r0["local_losses"] != r1["local_losses"]  # MetricAverage
-    for local0, local1, averaged in zip(r0["local_losses"], r1["local_losses"], r0["history"]):
-        assert averaged == pytest.approx((local0 + local1) / 2, rel=1e-6)
+    # fit's logs are the ranks' already when a user's callback reads them (test_keras_peers.py: equal to one
+    # process on the union), and MetricAverage after it leaves them as they are: no second average
+    assert r0["history"] == r1["history"] == r0["seen_losses"] == r1["seen_losses"]
     lr = r0["lr"]  # LearningRateWarmup over 2 epochs of 4 batches, from 0.2 / 2 to 0.2
     assert lr[0] == pytest.approx(0.1) and lr[4] == pytest.approx(0.15) and lr[-1] == pytest.approx(0.2)
     assert all(b >= a for a, b in zip(lr, lr[1:])) and r0["final_lr"] == pytest.approx(0.2)

@@ -92,14 +92,14 @@ def callbacks(rank: int, size: int) -> dict:
     seen_lr: list = []
     record_lr = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: seen_lr.append(
         float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))))
-    local_losses: list = []
-    record_loss = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: local_losses.append(logs["loss"]))
+    seen_losses: list = []  # what a user's callback reads: the ranks' loss already (hvdp._keras_fit)
+    record_loss = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen_losses.append(logs["loss"]))
     history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False, callbacks=[
         hvdp.keras.BroadcastInitialState(), hvdp.keras.LearningRateWarmup(warmup_epochs=2), record_lr, record_loss,
         hvdp.keras.MetricAverage()])
     return {"before": digest(before), "after": digest(flat(model)), "lr": seen_lr,
             "final_lr": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
-            "history": [float(v) for v in history.history["loss"]], "local_losses": local_losses}
+            "history": [float(v) for v in history.history["loss"]], "seen_losses": seen_losses}
 
 
 def schedules(rank: int, size: int) -> dict:
