@@ -267,8 +267,9 @@ def _at_exit() -> None:
     failed = getattr(sys, "last_value", None) is not None
     try:
         deactivate(join=not failed)
-    except ReplicaMismatchError as exc:  # ranks took different numbers of steps: say so, and fail
-        print(f"hvdp: {exc}", file=sys.stderr, flush=True)
+    except ReplicaMismatchError as exc:  # ranks took different steps, or their replicas differ: say so, and fail
+        if not failures.write(exc):  # under hvdp run, its summary names it
+            print(f"hvdp: {exc}", file=sys.stderr, flush=True)
         os._exit(1)
 
 

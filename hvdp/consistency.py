@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
@@ -186,8 +185,8 @@ class DriftGuard:
         self.gather, self.ranks, self.every, self.steps, self.whole_job = gather, ranks, every, 0, whole_job
         #: How to list the parameters of the last update (the check at the job's end uses it).
         self.latest: Optional[Callable[[], List[Tuple[str, np.ndarray]]]] = None
-        if whole_job and every:
-            _guards.append(weakref.ref(self))
+        if whole_job and every:  # the newest KEPT_AT_END, kept (with their models) for the check at the end
+            _guards[:] = [*_guards[1 - KEPT_AT_END:], self]
 
     def after_step(self, parameters: Callable[[], List[Tuple[str, np.ndarray]]]) -> None:
         self.steps += 1
@@ -219,8 +218,12 @@ class DriftGuard:
 
 #: Updates taken by this rank's whole-job DistributedOptimizers (counted by their drift guards).
 _job_steps = [0]
-#: The whole-job drift guards of this process, in the order they were made (the same on every rank).
-_guards: List["weakref.ReferenceType[DriftGuard]"] = []
+#: The whole-job drift guards of this process, in the order they were made (the same on every rank): the
+#: newest :data:`KEPT_AT_END` of them, whose models are compared once more at the job's end.
+_guards: List[DriftGuard] = []
+#: How many of the newest whole-job optimizers the check at the job's end covers (each keeps its model alive
+#: until then: a script that makes many, one after another, keeps only these).
+KEPT_AT_END = 8
 
 
 def final_check(backend: Any) -> None:
@@ -229,7 +232,7 @@ def final_check(backend: Any) -> None:
 
     Every rank calls it (a collective); raises ReplicaMismatchError on every rank when they differ.
     """
-    live = [guard for guard in (ref() for ref in _guards) if guard is not None and guard.latest is not None]
+    live = [guard for guard in _guards if guard.latest is not None]
     _guards.clear()
     if len(set(backend.allgather_object(len(live), None))) > 1:
         return  # the ranks made different optimizers: their step counts already say so

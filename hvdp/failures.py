@@ -79,6 +79,20 @@ def record(exc_type: Type[BaseException], value: BaseException, tb: Optional[Tra
                    traceback="".join(traceback.format_exception(exc_type, value, tb)), time=time.time())
 
 
+def write(value: BaseException) -> bool:
+    """Write ``value`` as this rank's failure record for ``hvdp run``; False where none can be written (outside
+    ``hvdp run``, or the file cannot be opened). Also for an error raised at exit, where no hook runs."""
+    path = os.environ.get(FILE_VAR)
+    if not path:
+        return False
+    try:
+        with open(path, "w") as out:
+            json.dump(asdict(record(type(value), value, value.__traceback__)), out)
+    except OSError:
+        return False
+    return True
+
+
 def install() -> None:
     """Record this rank's uncaught exception for ``hvdp run`` (only when it set :data:`FILE_VAR`).
 
@@ -91,13 +105,7 @@ def install() -> None:
     previous = sys.excepthook
 
     def hook(exc_type: Type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
-        if issubclass(exc_type, KeyboardInterrupt):
-            previous(exc_type, value, tb)
-            return
-        try:
-            with open(path, "w") as out:
-                json.dump(asdict(record(exc_type, value, tb)), out)
-        except OSError:
+        if issubclass(exc_type, KeyboardInterrupt) or not write(value):
             previous(exc_type, value, tb)  # no record: print it as usual
 
     hook._hvdp_failure_hook = True  # type: ignore[attr-defined]
