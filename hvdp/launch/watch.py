@@ -47,6 +47,13 @@ def describe_exit(code: int) -> str:
 _STOPPED = (-15, -2, 143, 130)
 
 
+#: What leaves a rank waiting in a collective the others never make, in the order they are met in practice.
+STALL_CAUSES = ("Likely causes: (1) a rank left its training loop early (its data ran out first, a break or "
+                "a condition on its rank); (2) a collective called on some ranks only, or in another order (an "
+                "evaluation or a metric on rank 0 alone, a name that differs); (3) a rank blocked outside hvdp "
+                "(reading input, a lock, a debugger).")
+
+
 class JobWatcher:
     """Remembers which ranks failed and why: from their records, else from the job's text.
 
@@ -146,7 +153,7 @@ class JobWatcher:
             ranks = "; ".join(f"rank {r} never submitted {t}" for r, t in sorted(self.stalled.items()))
             return (f"hvdp: the job was ended: {ranks} (stalled longer than --stall-timeout). "
                     + (models_differ(self.missing) or
-                       "Every rank must make the same collective calls in the same order."))
+                       "Every rank must make the same collective calls in the same order. " + STALL_CAUSES))
         first = self.cause()
         if first is not None:
             rank, why, _ = first
