@@ -154,6 +154,8 @@ def finish_example(proc, tmp_path, name):
 
 
 def test_a_worker_that_dies_resumes_from_rays_checkpoint_to_the_uninterrupted_weights(cluster, tmp_path):
+    """Two example runs side by side, one of which Ray starts twice (each start: new worker processes
+    importing torch): about 70 s on 2 cores, 90 s one after the other."""
     # The two runs side by side: 2 workers of 1 CPU each fit the cluster's 4 CPUs, and each starts alone.
     runs = {"uninterrupted": start_example(cluster, tmp_path, "uninterrupted", "--framework", "torch"),
             "resumed": start_example(cluster, tmp_path, "resumed", "--framework", "torch", "--fault-epoch", "3",
