@@ -27,9 +27,9 @@ class HvdpTrainer(DataParallelTrainer):
             Ray's ``DataParallelTrainer``.
 
     Example:
-        >>> trainer = HvdpTrainer(lambda: None, framework="torch",
-        ...                       scaling_config=ScalingConfig(num_workers=2))  # doctest: +SKIP
-        >>> result = trainer.fit()  # doctest: +SKIP
+        >>> trainer = HvdpTrainer(lambda: None, framework="tensorflow", scaling_config=ScalingConfig(num_workers=2))
+        >>> trainer.backend_config  # trainer.fit() runs it on the Ray cluster of ray.init()
+        HvdpConfig(framework='tensorflow', stall_timeout=300, threads_per_worker=None, start_timeout=60)
     """
 
     def __init__(self, train_loop_per_worker: Callable[..., Any], *, train_loop_config: Optional[Dict] = None,
