@@ -86,7 +86,10 @@ class _StderrWatch:
                 data = b""
             if not data:
                 break
-            os.write(self._saved, data)
+            try:
+                os.write(self._saved, data)
+            except OSError:  # where stderr went is gone: keep reading, for the stall report
+                pass
             pending += data
             *lines, pending = pending.split(b"\n")
             for line in lines:
@@ -97,7 +100,8 @@ class _StderrWatch:
         sys.stderr.flush()
         os.dup2(self._saved, 2)  # the pipe's last writer closes: the pump sees its end
         self._thread.join(timeout=5)
-        os.close(self._saved)
+        if not self._thread.is_alive():  # else a child process still holds the pipe: the pump goes on
+            os.close(self._saved)
 
 
 def stall_message(stalled: Dict[int, str], hosts: List[str], stall_timeout: int) -> str:

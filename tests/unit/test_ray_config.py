@@ -97,3 +97,22 @@ def test_importing_hvdp_does_not_import_ray_and_a_missing_ray_names_the_extra():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "hvdp.ray needs Ray Train" in proc.stdout and "pip install 'hvdp[ray]'" in proc.stdout, proc.stdout
+
+
+def test_the_training_context_turns_a_stall_report_on_stderr_into_the_workers_name():
+    import os
+
+    from hvdp.errors import JobFailedError
+    from hvdp.ray.worker import TrainingContext
+
+    with pytest.raises(JobFailedError) as raised:
+        with TrainingContext(10):  # what Horovod's stall inspector writes to fd 2, then the loop's error
+            os.write(2, b"[W stall_inspector.cc:107] One or more tensors were submitted ...\nMissing ranks:\n"
+                        b"1!: [allreduce.never_joined]\n")
+            raise RuntimeError("Horovod has been shut down")
+    assert "worker 1 (rank 1, node ?) never submitted allreduce.never_joined" in str(raised.value)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    with pytest.raises(ValueError, match="the loop's own"):  # no stall report: the loop's error as it was
+        with TrainingContext(10):
+            os.write(2, b"an ordinary line\n")
+            raise ValueError("the loop's own")
