@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvdp import _keras_jobs, consistency, failures, profiler
-from hvdp.errors import FrameworkError, NotInitializedError, ProcessSetError, ReplicaMismatchError
+from hvdp.errors import (
+    FrameworkError,
+    NotInitializedError,
+    ProcessSetError,
+    ReplicaMismatchError,
+    TrainingMismatchError,
+)
 from hvdp.frameworks import SPECS
 
 if TYPE_CHECKING:
@@ -267,7 +273,8 @@ def _at_exit() -> None:
     failed = getattr(sys, "last_value", None) is not None
     try:
         deactivate(join=not failed)
-    except ReplicaMismatchError as exc:  # ranks took different steps, or their replicas differ: say so, and fail
+    except (ReplicaMismatchError, TrainingMismatchError) as exc:  # ranks took different steps, their replicas
+        # differ, or this rank left while others still train: say so, and fail
         if not failures.write(exc):  # under hvdp run, its summary names it
             print(f"hvdp: {exc}", file=sys.stderr, flush=True)
         os._exit(1)

@@ -19,7 +19,7 @@ import numpy as np
 from hvdp import _runtime
 from hvdp import process_sets as _process_sets
 from hvdp import validate as _validate
-from hvdp.errors import TensorMismatchError
+from hvdp.errors import TensorMismatchError, TrainingMismatchError
 from hvdp.process_sets import ProcessSet
 
 
@@ -220,7 +220,28 @@ def allgather_object(obj: Any, *, process_set: Optional[ProcessSet] = None) -> L
     """
     backend = _runtime.current("allgather_object")
     handle = _process_sets.handle(process_set, "allgather_object")
-    return backend.allgather_object(obj, handle)
+    try:
+        return backend.allgather_object(obj, handle)
+    except Exception as exc:
+        found = left_early(exc, "hvdp.allgather_object")
+        if found is exc:
+            raise
+        raise found from exc
+
+
+#: What Horovod says when a collective meets a rank that has already joined (at the end of its script).
+_JOINED = "not supported with Join"
+
+
+def left_early(exc: Exception, call: str) -> Exception:
+    """``exc``, or where Horovod refused ``call`` because another rank has joined (it finished its script and
+    waits for the others at the job's end), a TrainingMismatchError that says so and how to fix it."""
+    if _JOINED not in str(exc):
+        return exc
+    return TrainingMismatchError(
+        f"{call} on rank {_runtime.current(call).rank()} met a rank that has finished its script (it waits for the "
+        f"others at the job's end): every rank must make the same collective calls, in the same order (a model.fit, "
+        f"an evaluate or a metric on some ranks only leaves the others waiting).")
 
 
 def barrier(*, process_set: Optional[ProcessSet] = None) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime
 import numpy as np
 
 from hvdp import _keras_jobs
-from hvdp.errors import FrameworkError
+from hvdp.errors import FrameworkError, TrainingMismatchError
 
 #: Reductions of gradients (``DistributedOptimizer``, ``DistributedGradientTape``).
 REDUCE_OPS = ("average", "sum", "adasum")
@@ -260,6 +260,8 @@ class HorovodJob:
                 and os.environ.get("HOROVOD_ELASTIC") != "1":
             try:
                 self.join()
+            except TrainingMismatchError:  # this rank left while others still train: said at once, by the caller
+                raise
             except Exception:  # the job is ending abnormally (a rank died): shut down regardless
                 on_joined = None
         else:

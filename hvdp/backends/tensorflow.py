@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
+from hvdp.backends import tensorflow_direct
 from hvdp.backends.base import HorovodJob, reduction_plan
 from hvdp.backends.tensorflow_direct import direct_group
 
@@ -210,6 +211,8 @@ class Backend(HorovodJob):
         return list(hvd.allgather_object(obj, name="hvdp.allgather_object", process_set=self._set(process_set)))
 
     def join(self) -> int:
+        if not self.joining:  # the end of the job: ranks still training on the direct path are named at once
+            tensorflow_direct.leave()
         # Horovod registers HorovodJoin as stateless, so eager TensorFlow reuses the first call's
         # result: every later join returned at once, without waiting for the other ranks. Run in
         # a function of its own, it waits every time.

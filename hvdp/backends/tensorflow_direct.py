@@ -68,6 +68,7 @@ class DirectGroup:
         direct.quiet_loop(_library(), go)
         self.counts["direct" if go else "horovod"] += 1
         self.counts["differed"] += int(not same)
+        _WENT_DIRECT[0] = _WENT_DIRECT[0] or go
         return float(self.scale()) if go else 0.0
 
     def __call__(self, tensors: List[Any], horovod_reduce: Callable[[List[Any]], List[Any]]) -> List[Any]:
@@ -97,17 +98,22 @@ def _reduced(tensors: List[Any], scale: Any) -> List[Any]:
     return results
 
 
-def compared(text: str, usable: bool) -> Tuple[bool, bool]:
+def compared(text: str, usable: bool, finished: bool = False) -> Tuple[bool, bool]:
     """(whether every rank has the layout ``text`` and can use it, whether every rank has ``text``): one direct
-    exchange of a digest, so every rank reaches the same answer at the same call."""
+    exchange of a digest, so every rank reaches the same answer at the same call.
+
+    ``finished``: this rank has left its training loop (:func:`leave`). Where every rank has, the
+    answer is (False, True); where some have, the ranks still training raise TrainingMismatchError naming them,
+    and so do the ranks that left (the answer True: the others still train).
+    """
     exchange = direct.entry(_library(), "horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong,
                             ctypes.c_int)
     rank, size = hvd.rank(), hvd.size()
-    inbox = np.zeros((size, 2), dtype=np.int64)
-    inbox[rank] = (zlib.crc32(text.encode()), int(usable))
+    inbox = np.zeros((size, 3), dtype=np.int64)
+    inbox[rank] = (zlib.crc32(text.encode()), int(usable), int(finished))
     error = ctypes.create_string_buffer(1024)
     waited = direct.timeout_ms()
-    code = exchange(inbox.ctypes.data, 16, 16, AGREE_CHANNEL, waited, error, len(error))
+    code = exchange(inbox.ctypes.data, 24, 24, AGREE_CHANNEL, waited, error, len(error))
     if code != 0:
         why = error.value.decode(errors="replace") or "not a Gloo job"
         if "imed out" in why or "timeout" in why:
@@ -115,8 +121,42 @@ def compared(text: str, usable: bool) -> Tuple[bool, bool]:
         raise RuntimeError(f"Horovod (hvdp's direct path) could not compare the gradients between ranks: {why}. "
                            f"Another rank stopped (see its output); {direct.PATH_ENV}=horovod runs Horovod's path "
                            f"instead.")
+    if inbox[:, 2].all():
+        return False, True
+    if inbox[:, 2].any() and not finished:
+        from hvdp.errors import TrainingMismatchError
+
+        left = ", ".join(str(r) for r in np.flatnonzero(inbox[:, 2]))
+        raise TrainingMismatchError(
+            f"rank {left} finished its script while this rank ({rank}) still trains: its gradients' allreduce has "
+            f"no partner there. Every rank must take the same steps: give every rank the same number of batches "
+            f"(hvdp.shard(n, drop_remainder=True)), or train inside hvdp.join(model, optimizer).")
+    if finished:
+        return True, True
     same = bool((inbox[:, 0] == inbox[rank, 0]).all())
     return same and bool(inbox[:, 1].all()), same
+
+
+#: Whether a gradients' call of this process went direct (a tape's reducer is made anew at every step).
+_WENT_DIRECT = [False]
+
+
+def leave() -> None:
+    """Before Horovod's join at the end of a job, where this process's gradients went direct: one layout
+    exchange saying this rank left its training loop, so that ranks still training are named at once
+    (TrainingMismatchError on them and here) instead of waiting out the stall timeout."""
+    if not _WENT_DIRECT[0] or not hvd.is_initialized() or hvd.size() < 2:
+        return
+    _WENT_DIRECT[0] = False
+    if compared("", True, finished=True)[0]:
+        from hvdp.errors import TrainingMismatchError
+
+        me = hvd.rank()
+        raise TrainingMismatchError(
+            f"rank {me} finished its script while other ranks still train (their next gradients' allreduce came "
+            f"after rank {me} had left its training loop). Every rank must take the same steps: give every rank "
+            f"the same number of batches (hvdp.shard(n, drop_remainder=True)), or train inside "
+            f"hvdp.join(model, optimizer).")
 
 
 def direct_group(op: str, prescale: float, postscale: float, compression: str, groups: Any, process_set: Any,
