@@ -64,7 +64,7 @@ def torch_union(config: Dict[str, Any]) -> None:
             optimizer.zero_grad()
             loss_fn(model(torch.from_numpy(x[mine])), torch.from_numpy(y[mine])).backward()
             optimizer.step()
-        ray.train.report({"step": step})
+    ray.train.report({"steps": STEPS})  # once: every report is a round trip through Ray's controller
     hvdp.check_consistency(sgd_model)
     hvdp.check_consistency(adam_model)
     sampler = hvdp.DistributedSampler(list(range(10)), seed=3)
