@@ -94,8 +94,9 @@ def reduce_metrics(model: Any, job: Job, logs: Any, state: bool = True) -> Dict[
             value[:] = 0.0
     numbers = {k: float(v) for k, v in sorted((logs or {}).items())
                if isinstance(v, (int, float)) or getattr(v, "shape", None) == ()}
-    flat = np.concatenate([*values, np.asarray(list(numbers.values()), dtype=np.float64)]) if values or numbers \
-        else np.zeros(0)
+    flat = np.concatenate([*values, np.asarray(list(numbers.values()), dtype=np.float64)])
+    if flat.size == 0:  # nothing to reduce (the same on every rank: their models are one)
+        return {}
     total = job.sum(flat, "hvdp.keras.metrics")
     at = 0
     for variable, value in zip(variables, values):
@@ -107,8 +108,6 @@ def reduce_metrics(model: Any, job: Job, logs: Any, state: bool = True) -> Dict[
 
 def install() -> None:
     """Give ``fit`` and ``evaluate`` the ranks' metrics and agreement (Keras is imported)."""
-    from hvdp import _keras_jobs
-
     global_metrics()
     _keras_jobs.agree_in_fit[0] = agreement
 
@@ -160,10 +159,6 @@ def may_stop_between_batches(callback: Any) -> bool:
         if any(hook in vars(kind) for hook in BATCH_HOOKS):
             return True
     return any(hook in vars(callback) for hook in BATCH_HOOKS)
-
-
-def describe(callback: Any) -> str:
-    return type(callback).__name__
 
 
 def averages_metrics(callback: Any) -> bool:
@@ -265,5 +260,5 @@ def agreeing_callbacks(job: Job, user: List[Any], optimizer: Any, parameters_of:
 
     everything: List[Any] = [Start(), Probe("model.fit's train step")]
     for callback in user:
-        everything += [callback, Probe(describe(callback))]
+        everything += [callback, Probe(type(callback).__name__)]
     return everything + [Agree()]

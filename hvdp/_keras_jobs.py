@@ -151,7 +151,7 @@ def guard_fits() -> None:
         epochs = bound.arguments.get("epochs", signature.parameters["epochs"].default)
         first = bound.arguments.get("initial_epoch", signature.parameters["initial_epoch"].default)
         agreeing = None if agree_in_fit[0] is None else agree_in_fit[0](
-            self, callbacks, (epochs, self._initial_epoch or first), sync is not None)
+            self, callbacks, (epochs, getattr(self, "_initial_epoch", None) or first), sync is not None)
         if not guarded and sync is None and agreeing is None:
             return original(self, *args, **kwargs)
         if agreeing is not None:  # the logs are the ranks' already; every rank stops where one asks to
