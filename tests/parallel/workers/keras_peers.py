@@ -28,6 +28,8 @@ hvdp.init()
 import keras
 from sklearn.datasets import load_digits
 
+import hvdp.keras
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report
 from _report import digest
@@ -90,7 +92,14 @@ def peers_callbacks(train: List[tuple], validation: List[tuple]) -> Dict[str, An
                 if self.best != before:
                     saved.append(epoch + 1)
 
-        callbacks = [keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0, min_delta=0.1),
+        # hvdp.keras.MetricAverage (and Horovod's MetricAverageCallback on TensorFlow) as a Horovod script has
+        # them: they leave the union's metrics as they are
+        averaging = [hvdp.keras.MetricAverage()] if distributed else []
+        if distributed and keras.backend.backend() == "tensorflow":
+            import horovod.tensorflow.keras as hvd_keras
+
+            averaging.append(hvd_keras.callbacks.MetricAverageCallback())
+        callbacks = [*averaging, keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0, min_delta=0.1),
                      Saves(os.path.join(folder if distributed else folder + "-one", "best.keras"),
                            monitor="val_loss", save_best_only=True),
                      keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=0.02)]
