@@ -5,7 +5,8 @@ Each worker reports what it saw; the tests check every worker's report:
 
 * torch under Ray's own DataParallelTrainer with HvdpConfig: equal to one process stepping on the union of
   the workers' batches (SGD, and Adam with its state sharded, ZeRO-1; rtol 1e-5), the ranks and environment
-  ``hvdp run`` would give, collectives, sampler, drift guard, Ray's context and Ray Data shard beside them;
+  ``hvdp run`` would give, collectives, sampler, drift guard, a Keras 3 model fit on the torch backend, Ray's
+  context and Ray Data shard beside them;
 * Keras 3 model.fit on TensorFlow under HvdpTrainer: the replicas end identical;
 * examples/ray_digits.py with torch: a worker that dies makes Ray start the group again, the loop resumes
   from Ray's checkpoint and ends with the uninterrupted run's weights;
@@ -116,6 +117,8 @@ def test_torch_equals_one_process_on_the_union_of_the_workers_batches(cluster, t
             assert name != "SGD" or moved > 1e-3, "SGD did not move the parameters"
         assert worker["allreduce"] == 3.0 and worker["allgather"] == [0, 1]
         assert worker["broadcast_object"] == {"from": 0}
+    assert workers[0]["keras_backend"] == workers[1]["keras_backend"] == "torch"  # Keras 3 on torch, fit
+    assert workers[0]["keras_weights"] == workers[1]["keras_weights"], "Keras on torch: the replicas differ"
     assert sorted(workers[0]["sampler"] + workers[1]["sampler"]) == list(range(10))
     assert workers[0]["data_rows"] + workers[1]["data_rows"] == 40 and workers[0]["data_rows"] > 0
 

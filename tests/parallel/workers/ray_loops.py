@@ -67,6 +67,7 @@ def torch_union(config: Dict[str, Any]) -> None:
     ray.train.report({"steps": STEPS})  # once: every report is a round trip through Ray's controller
     hvdp.check_consistency(sgd_model)
     hvdp.check_consistency(adam_model)
+    keras_backend, keras_weights = keras_on_torch(rank, x, y)
     sampler = hvdp.DistributedSampler(list(range(10)), seed=3)
     sampler.set_epoch(1)
     rows = sum(1 for _ in ray.train.get_dataset_shard("train").iter_rows())
@@ -83,8 +84,24 @@ def torch_union(config: Dict[str, Any]) -> None:
         "allreduce": float(hvdp.allreduce(float(rank + 1), op="sum")),
         "allgather": hvdp.allgather(np.array([rank], dtype=np.int64)).tolist(),
         "broadcast_object": hvdp.broadcast_object({"from": rank}, root_rank=0),
-        "sampler": list(sampler), "data_rows": rows, "entered": entered})
+        "sampler": list(sampler), "data_rows": rows, "entered": entered,
+        "keras_backend": keras_backend, "keras_weights": keras_weights})
     hvdp.barrier()
+
+
+def keras_on_torch(rank: int, x: np.ndarray, y: np.ndarray) -> tuple:
+    """A Keras 3 model fit on this worker's rows, in a torch job (Keras on the torch backend): (backend, weights)."""
+    import keras
+
+    import hvdp
+
+    keras.utils.set_random_seed(300 + rank)
+    model = keras.Sequential([keras.Input(shape=(FEATURES,)), keras.layers.Dense(CLASSES)])
+    optimizer = hvdp.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    hvdp.broadcast_state(model, optimizer)
+    model.fit(x[rank::2], y[rank::2], batch_size=BATCH, epochs=1, verbose=0)
+    return keras.backend.backend(), np.concatenate([w.numpy().ravel() for w in model.weights]).tolist()
 
 
 def keras_fit(config: Dict[str, Any]) -> None:
