@@ -70,7 +70,14 @@ def slot_env(slot: Dict[str, Any]) -> Dict[str, str]:
 
 
 class HvdpBackend(Backend):
-    """Starts Horovod's Gloo rendezvous for each worker group and sets up its workers (see the module)."""
+    """Starts Horovod's Gloo rendezvous for each worker group and sets up its workers (see the module).
+
+    Ray Train builds it from ``HvdpConfig.backend_cls``, one per process (Ray's backends are singletons).
+
+    Example:
+        >>> HvdpBackend() is HvdpBackend()
+        True
+    """
 
     def __init__(self) -> None:
         self._server: Any = None
