@@ -24,6 +24,18 @@ WORKER = REPO / "tests" / "parallel" / "workers" / "signal_loop.py"
 HVDP = [sys.executable, "-m", "hvdp.cli"]
 
 
+def ancestors(pid: int) -> list:
+    """(pid, command name) of ``pid``'s parent, its parent's, ... up to init, from /proc."""
+    chain = []
+    while pid > 1:
+        status = Path(f"/proc/{pid}/status").read_text()
+        pid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        if pid <= 0:
+            break
+        chain.append((pid, Path(f"/proc/{pid}/comm").read_text().strip()))
+    return chain
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with Cluster(tmp_path_factory.mktemp("cluster"), tag="s", subnet="10.77.3") as made:
@@ -65,8 +77,10 @@ def test_sigterm_ends_the_ranks_on_remote_hosts(cluster, controller, tmp_path):
         ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
         # Each rank runs under its host's sshd, not under hvdp run.
         for rank in ranks:
-            parents = Path(f"/proc/{rank['pid']}/status").read_text()
-            assert "PPid:" in parents
+            chain = ancestors(rank["pid"])
+            names = [name for _, name in chain]
+            assert "sshd" in names, chain
+            assert proc.pid not in [pid for pid, _ in chain[:names.index("sshd")]], chain
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)

@@ -12,7 +12,12 @@ FRAMEWORKS = ["torch", "tensorflow"]
 
 
 def run(framework, mode, folder):
-    return run_job(["--gloo", "--framework", framework, str(WORKERS / "checkpoint_resume.py"), mode], folder)
+    """One job; where it succeeded, every rank must have reported (a job of one rank's report proves nothing
+    of the other)."""
+    job = run_job(["--gloo", "--framework", framework, str(WORKERS / "checkpoint_resume.py"), mode], folder)
+    if job.returncode == 0:
+        assert [r["rank"] for r in job.ranks] == [0, 1], f"missing rank reports:\n{job.output[-4000:]}"
+    return job
 
 
 _FULL: dict = {}

@@ -11,7 +11,8 @@ import pytest
 from harness import max_abs_diff, run_worker
 
 CONTROLLERS = ["gloo", "mpi"]
-TOLERANCE = 1e-6
+#: Replicas are identical, bit for bit (the drift guard demands it); JSON keeps a float64 exactly.
+TOLERANCE = 0.0
 
 
 @pytest.fixture(scope="module", params=CONTROLLERS)
@@ -250,7 +251,8 @@ def test_tensorflow_broadcast_state_makes_weights_and_optimizer_identical(tf_job
 
 def test_keras_model_fit_on_different_data_keeps_replicas_identical(tf_job):
     r0, r1 = tf_job.ranks
-    assert r0["fit_losses"] != r1["fit_losses"], "ranks saw the same data"
+    assert r0["fit_data"] != r1["fit_data"], "ranks saw the same data"
+    assert r0["fit_losses"] == r1["fit_losses"]  # fit's logs are the union's on every rank
     assert max_abs_diff(r0["params_after_broadcast"], r0["after_fit"]) > 1e-3, "fit changed nothing"
     assert max_abs_diff(r0["after_fit"], r1["after_fit"]) <= TOLERANCE
     assert r0["optimizer_class"] == "SGD"

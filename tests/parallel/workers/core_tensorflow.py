@@ -64,7 +64,8 @@ def main() -> None:
     record["optimizer_class"] = type(fit_opt).__name__
     model.compile(optimizer=fit_opt, loss=loss_fn)
     history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
-    record["fit_losses"] = [float(v) for v in history.history["loss"]]
+    record["fit_losses"] = [float(v) for v in history.history["loss"]]  # the ranks' loss (the union's)
+    record["fit_data"] = _report.digest(x)
     record["after_fit"] = flat(model.trainable_variables)
 
     # A custom loop: GradientTape + apply_gradients inside tf.function, then eagerly.
