@@ -16,8 +16,6 @@ from typing import Any, Dict, List, Sequence
 import ray
 from ray.train.backend import Backend, BackendConfig
 
-from hvdp.launch.command import stall_env
-from hvdp.launch.defaults import horovod_defaults
 from hvdp.ray.worker import setup
 
 logger = logging.getLogger(__name__)
@@ -103,16 +101,10 @@ class HvdpBackend(Backend):
         self._server.init([SlotInfo(**slot) for slot in slots])
         job = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": ray.util.get_node_ip_address(),
                "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port), "HOROVOD_CONTROLLER": "gloo",
-               "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_TIMEOUT_SECONDS": str(config.start_timeout),
-               **stall_env(config.stall_timeout, {})}
-        # The values hvdp run measured for one machine; the allocator's take effect only at a process's start.
-        one_node = len(set(node_ids)) == 1
-        job.update({var: value for var, value in horovod_defaults(
-            "gloo", config.framework_name, one_node, {}).items() if var.startswith("HOROVOD_")})
+               "HOROVOD_CPU_OPERATIONS": "gloo"}
+        settings = {**config.to_dict(), "one_node": len(set(node_ids)) == 1}
         hosts = [slot["hostname"] for slot in slots]
-        ray.get([worker_group.execute_single_async(rank, setup, {**job, **slot_env(slot)},
-                                                   config.framework_name,
-                                                   config.threads_per_worker, hosts)
+        ray.get([worker_group.execute_single_async(rank, setup, {**job, **slot_env(slot)}, settings, hosts)
                  for rank, slot in enumerate(slots)])
         logger.info("hvdp: %d workers on %d nodes, rendezvous at %s:%d, set up in %.2f s", len(slots),
                     len(set(node_ids)), job["HOROVOD_GLOO_RENDEZVOUS_ADDR"], port, time.perf_counter() - started)

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 from types import TracebackType
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 #: Each worker's host name in Horovod's slots, in rank order (set by :func:`setup`, for the stall message).
 _HOSTS: List[str] = []
@@ -38,21 +38,31 @@ def interface_of(address: str) -> Optional[str]:
     return None
 
 
-def setup(env: Dict[str, str], framework: str, threads: Optional[int], hosts: List[str]) -> None:
-    """Give this worker its rank's environment: ``env`` (Horovod's slot and rendezvous), the framework,
-    the threads (None: the CPUs Ray gave this worker) and Gloo's interface."""
+def setup(env: Dict[str, str], settings: Dict[str, Any], hosts: List[str]) -> None:
+    """Give this worker its rank's environment: ``env`` (Horovod's slot and rendezvous), then from
+    ``settings`` (``HvdpConfig.to_dict()`` and ``one_node``) what ``hvdp run`` sets for a rank, leaving alone
+    what this worker's environment (Ray's ``runtime_env``) sets already, and Gloo's interface. Run on the
+    worker by :meth:`hvdp.ray.backend.HvdpBackend.on_start`."""
     import ray
 
-    from hvdp.launch.command import framework_env, thread_env
+    from hvdp.launch.command import framework_env, stall_env, thread_env
+    from hvdp.launch.defaults import horovod_defaults
 
     environ = os.environ
+    framework = settings["framework"]
     update = dict(env)
     update.update(framework_env(framework, environ, f"HvdpConfig(framework={framework!r})"))
+    threads = settings.get("threads_per_worker")
     if threads is None:
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
     # Ray sets OMP_NUM_THREADS for every worker to its CPUs: hvdp's choice, when given, comes first.
-    given = {var: value for var, value in environ.items() if var != "OMP_NUM_THREADS"}
-    update.update(thread_env(threads, given))
+    update.update(thread_env(threads, {var: value for var, value in environ.items() if var != "OMP_NUM_THREADS"}))
+    if "HOROVOD_GLOO_TIMEOUT_SECONDS" not in environ:
+        update["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(settings.get("start_timeout", 60))
+    update.update(stall_env(settings.get("stall_timeout", 300), environ))
+    # The values hvdp run measured for one machine; the allocator's take effect only at a process's start.
+    update.update({var: value for var, value in horovod_defaults(
+        "gloo", framework, bool(settings.get("one_node")), environ).items() if var.startswith("HOROVOD_")})
     nic = interface_of(ray.util.get_node_ip_address())
     if nic is not None and "HOROVOD_GLOO_IFACE" not in environ:
         update["HOROVOD_GLOO_IFACE"] = nic
