@@ -252,10 +252,9 @@ class HorovodJob:
         self._hvd.remove_process_set(handle)
 
     def shutdown(self, join: bool = True, on_joined: Optional[Callable[[], None]] = None) -> None:
-        # Horovod's shutdown on one rank ends the job's collectives on every rank, so a rank
-        # that finishes first (a process set with less work) would break the others' next
-        # collective. join() waits, taking part in no collective and never tripping the stall
-        # inspector, until every rank has joined. Elastic jobs end through Horovod's driver.
+        # Horovod's shutdown on one rank ends the job's collectives on every rank, so a rank that finishes first
+        # (a process set with less work) would break the others' next collective. join() waits, in no collective
+        # and never tripping the stall inspector, until every rank has joined. Elastic jobs end by Horovod's driver.
         if join and self._hvd.is_initialized() and self._hvd.size() > 1 \
                 and os.environ.get("HOROVOD_ELASTIC") != "1":
             try:
