@@ -99,7 +99,8 @@ def peers_callbacks(train: List[tuple], validation: List[tuple]) -> Dict[str, An
             import horovod.tensorflow.keras as hvd_keras
 
             averaging.append(hvd_keras.callbacks.MetricAverageCallback())
-        callbacks = [*averaging, keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0, min_delta=0.1),
+        callbacks = [*averaging,
+                     keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0, min_delta=0.1),
                      Saves(os.path.join(folder if distributed else folder + "-one", "best.keras"),
                            monitor="val_loss", save_best_only=True),
                      keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=0.02)]
