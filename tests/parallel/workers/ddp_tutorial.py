@@ -99,6 +99,10 @@ def main(save_every, total_epochs, batch_size, snapshot_path=SNAPSHOT):
     weights = {name: value.flatten().tolist() for name, value in trainer.model.module.state_dict().items()}
     with open(os.path.join(OUT, f"rank{trainer.global_rank}.json"), "w") as out:
         json.dump({"rank": trainer.global_rank, "start": start, "weights": weights}, out)
+    # Not in the tutorial: every rank waits here for the others before Gloo's group is torn down (once, on a
+    # loaded machine, rank 1 aborted in the teardown while rank 0 was still finishing its last step: "terminate
+    # called without an active exception", torch 2.13's ProcessGroupGloo).
+    torch.distributed.barrier()
     destroy_process_group()
 
 
