@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdp.backends import direct
+from hvdp.errors import TrainingMismatchError
 
 #: The direct allreduce's channel for TensorFlow's gradients (a Gloo tag of its own), and the layout exchange's.
 GRADIENT_CHANNEL, AGREE_CHANNEL = 6, 7
@@ -124,18 +125,18 @@ def compared(text: str, usable: bool, finished: bool = False) -> Tuple[bool, boo
     if inbox[:, 2].all():
         return False, True
     if inbox[:, 2].any() and not finished:
-        from hvdp.errors import TrainingMismatchError
-
         left = ", ".join(str(r) for r in np.flatnonzero(inbox[:, 2]))
-        raise TrainingMismatchError(
-            f"rank {left} finished its script while this rank ({rank}) still trains: its gradients' allreduce has "
-            f"no partner there. Every rank must take the same steps: give every rank the same number of batches "
-            f"(hvdp.shard(n, drop_remainder=True)), or train inside hvdp.join(model, optimizer).")
+        raise TrainingMismatchError(f"rank {left} finished its script while this rank ({rank}) still trains: its "
+                                    f"gradients' allreduce has no partner there. {SAME_STEPS}")
     if finished:
         return True, True
     same = bool((inbox[:, 0] == inbox[rank, 0]).all())
     return same and bool(inbox[:, 1].all()), same
 
+
+#: The fix, when a rank left its training loop while others still train.
+SAME_STEPS = ("Every rank must take the same steps: give every rank the same number of batches "
+              "(hvdp.shard(n, drop_remainder=True)), or train inside hvdp.join(model, optimizer).")
 
 #: Whether a gradients' call of this process went direct (a tape's reducer is made anew at every step).
 _WENT_DIRECT = [False]
@@ -149,14 +150,10 @@ def leave() -> None:
         return
     _WENT_DIRECT[0] = False
     if compared("", True, finished=True)[0]:
-        from hvdp.errors import TrainingMismatchError
-
         me = hvd.rank()
-        raise TrainingMismatchError(
-            f"rank {me} finished its script while other ranks still train (their next gradients' allreduce came "
-            f"after rank {me} had left its training loop). Every rank must take the same steps: give every rank "
-            f"the same number of batches (hvdp.shard(n, drop_remainder=True)), or train inside "
-            f"hvdp.join(model, optimizer).")
+        raise TrainingMismatchError(f"rank {me} finished its script while other ranks still train (their next "
+                                    f"gradients' allreduce came after rank {me} had left its training loop). "
+                                    f"{SAME_STEPS}")
 
 
 def direct_group(op: str, prescale: float, postscale: float, compression: str, groups: Any, process_set: Any,
