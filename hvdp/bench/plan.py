@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from hvdp.consistency import DEFAULT_CHECK_EVERY
 from hvdp.errors import BenchError
 from hvdp.frameworks import SPECS
 from hvdp.launch import defaults
@@ -26,14 +27,26 @@ QUICK_SWEEP_BYTES = SWEEP_BYTES[:8]
 BREAKDOWN_BYTES = (4096, 64 << 20)
 
 
+#: Rounds every figure of a measuring run is the median (and range) of, at least.
+MIN_ROUNDS = 3
+#: Measured steps of a training job: one whole interval of hvdp's drift guard (hvdp.consistency's
+#: default: the replicas compared every 100 optimizer steps, a collective), so that the periodic work
+#: hvdp's users pay for falls inside what is measured, once per interval as in a long job.
+STEADY_STEPS = DEFAULT_CHECK_EVERY
+#: How a contender is configured (``Contender.knobs``): "hvdp" (hvdp's own job under ``hvdp run``, or a
+#: peer given every variable hvdp run sets: like for like), "defaults" (a peer as shipped: no variable of
+#: the bench's), "one-thread" (like for like at one thread per rank: the scaling and sharded sections).
+KNOBS = ("hvdp", "defaults", "one-thread")
+
+
 @dataclass
 class Settings:
     """How much to measure."""
 
     mode: str = "quick"
-    rounds: int = 2
+    rounds: int = MIN_ROUNDS
     warmup: int = 5
-    steps: int = 20
+    steps: int = STEADY_STEPS
     batch: int = 32
     allreduce_budget: float = 0.15
     sections: Tuple[str, ...] = SECTIONS
@@ -41,6 +54,7 @@ class Settings:
     breakdown_bytes: Tuple[int, ...] = BREAKDOWN_BYTES
     breakdown_calls: int = 30  # timed calls per size and variant, at most
     breakdown_budget: float = 3.0  # seconds of timed calls per size and variant, about
+    seed: int = 0  # the contenders' order in each round is a shuffle drawn from it (recorded in --results)
 
 
 @dataclass
@@ -52,13 +66,21 @@ class Contender:
     framework: str = "torch"
     np: int = 2
     controller: str = "gloo"
-    knobs: str = "hvdp"  # hvdp: hvdp's environment; threads: only the thread counts; one-thread
+    knobs: str = "hvdp"  # one of KNOBS: hvdp's environment (like for like), a peer's defaults, one-thread
     model: str = "cnn"
     task: str = "train"
     env: Dict[str, str] = field(default_factory=dict)  # set as if by the user (overrides hvdp's defaults)
     form: str = "new"  # allreduce task, hvdp: "new" (a result tensor per call) or "out" (out=, in place)
     optimizer: str = "sgd"  # train task: "sgd" (momentum 0.9) or "adam"
     shard: bool = False  # train task: hvdp shard_optimizer_state=True; ddp: torch's ZeroRedundancyOptimizer
+
+    @property
+    def settings(self) -> str:
+        """What the table and results say of this contender's configuration: ``hvdp`` (hvdp as shipped,
+        under hvdp run), ``defaults`` (the peer as shipped) or ``like-for-like`` (hvdp run's variables)."""
+        if self.impl == "hvdp":
+            return "hvdp"
+        return "defaults" if self.knobs == "defaults" else "like-for-like"
 
 
 @dataclass
@@ -67,8 +89,10 @@ class Group:
 
     name: str
     contenders: List[Contender]
-    runs: Dict[str, List[Any]] = field(default_factory=dict)
-    rounds: Optional[int] = None  # overrides Settings.rounds
+    runs: Dict[str, List[Any]] = field(default_factory=dict)  # label -> rank 0's record of each round
+    orders: List[List[str]] = field(default_factory=list)  # the labels in the order each round ran them
+    samples: List[Dict[str, Any]] = field(default_factory=list)  # every job: round, place, contender, record
+    rounds: Optional[int] = None  # --smoke only, fewer rounds than Settings.rounds (a measuring run: never)
 
 
 def parse_sections(text: Optional[str]) -> Tuple[str, ...]:
@@ -88,39 +112,58 @@ def parse_sections(text: Optional[str]) -> Tuple[str, ...]:
     return tuple(name for name in SECTIONS if name in names)
 
 
-#: ``--smoke``: every contender of ``--quick`` once, a few steps and calls each: it proves the bench runs
-#: end to end (every job, table, target, JSON and plot); its figures are not measurements.
+#: ``--smoke``: each implementation under each of its settings (every peer as shipped and like for like),
+#: every task, a few steps and calls: it proves the bench runs end to end (every job, table, target, results
+#: file and plot); its figures are not measurements. The torch comparison runs SMOKE_ROUNDS shuffled rounds,
+#: the rest one (a TensorFlow job costs 10-20 s of CPU on 2 cores, most of it importing TensorFlow).
 SMOKE_SWEEP_BYTES = (SWEEP_BYTES[0], SWEEP_BYTES[7])
+SMOKE_ROUNDS = 2
 
 
 def make_settings(quick: bool, rounds: Optional[int], steps: Optional[int], warmup: Optional[int],
-                  only: Optional[str], smoke: bool = False) -> Settings:
+                  only: Optional[str], smoke: bool = False, seed: Optional[int] = None) -> Settings:
     """The settings for ``--quick``, ``--smoke`` or the full run, with explicit overrides checked.
+
+    A measuring run takes at least :data:`MIN_ROUNDS` rounds (each figure is a median with its range);
+    ``seed`` (default: drawn now) orders the contenders of each round.
 
     Example:
         >>> make_settings(True, None, None, None, "native").sections
         ('native',)
-        >>> make_settings(False, None, None, None, None, smoke=True).rounds
-        1
+        >>> make_settings(True, None, None, None, None).rounds, make_settings(False, None, None, None, None).steps
+        (3, 100)
     """
     if smoke:
-        settings = Settings(mode="smoke", rounds=1, warmup=1, steps=3, allreduce_budget=0.01,
+        settings = Settings(mode="smoke", rounds=SMOKE_ROUNDS, warmup=1, steps=2, allreduce_budget=0.01,
                             sweep_bytes=SMOKE_SWEEP_BYTES, breakdown_calls=3, breakdown_budget=0.3)
     elif quick:
-        settings = Settings(mode="quick", rounds=2, warmup=2, steps=12, allreduce_budget=0.05,
-                            sweep_bytes=QUICK_SWEEP_BYTES, breakdown_calls=12, breakdown_budget=1.0)
+        settings = Settings(mode="quick", warmup=2, allreduce_budget=0.05, sweep_bytes=QUICK_SWEEP_BYTES,
+                            breakdown_calls=12, breakdown_budget=1.0)
     else:
-        settings = Settings(mode="full", rounds=3, warmup=5, steps=30, allreduce_budget=0.4)
+        settings = Settings(mode="full", warmup=5, allreduce_budget=0.4)
     for flag, value in (("--rounds", rounds), ("--steps", steps)):
         if value is not None and value < 1:
             raise BenchError(f"{flag} {value} must be at least 1; e.g. {flag} 3.")
+    if rounds is not None and rounds < MIN_ROUNDS and not smoke:
+        raise BenchError(f"--rounds {rounds}: every figure is a median with its range over at least {MIN_ROUNDS} "
+                         f"rounds; give --rounds {MIN_ROUNDS} or more (--smoke only checks that the bench runs).")
     if warmup is not None and warmup < 0:
         raise BenchError(f"--warmup {warmup} must be 0 or more; e.g. --warmup 5.")
     settings.rounds = rounds or settings.rounds
     settings.steps = steps or settings.steps
     settings.warmup = settings.warmup if warmup is None else warmup
     settings.sections = parse_sections(only)
+    settings.seed = int.from_bytes(os.urandom(4), "big") if seed is None else seed
     return settings
+
+
+def notes(settings: Settings) -> List[str]:
+    """What the run's header warns of: measured steps that leave hvdp's periodic work out."""
+    first, last = settings.warmup + 1, settings.warmup + settings.steps
+    if settings.mode != "smoke" and last // STEADY_STEPS * STEADY_STEPS < first:
+        return [f"note: the drift guard runs every {STEADY_STEPS} steps and none of steps {first}-{last} is one: "
+                f"hvdp's training figures leave its cost out (give --steps {STEADY_STEPS} or more)."]
+    return []
 
 
 def check_writable(path: Optional[str], flag: str) -> None:
@@ -135,11 +178,25 @@ def check_writable(path: Optional[str], flag: str) -> None:
                          f"Give a file in a writable folder, e.g. {flag} /tmp/bench{Path(path).suffix or '.json'}.")
 
 
+def _pair(label: str, impl: str, framework: str = "torch", np_: int = 2, controller: str = "gloo",
+          model: str = "cnn", **options: Any) -> List[Contender]:
+    """A peer twice: with its own defaults as shipped, and like for like (every variable hvdp run sets)."""
+    return [Contender(f"{label} [defaults]", impl, framework, np_, controller, "defaults", model, **options),
+            Contender(f"{label} [like for like]", impl, framework, np_, controller, "hvdp", model, **options)]
+
+
 def plan(settings: Settings) -> List[Group]:
-    """The comparison groups to run for ``settings`` (quick: a subset touching every section)."""
+    """The comparison groups to run for ``settings`` (quick: a subset touching every section; smoke: the
+    quick plan's implementations under each of their settings and tasks, without hvdp's variants: its
+    on/off settings, ``out=``, one thread at np=1 and 2 (the scaling section), the sharded section at np=1).
+
+    Every contender of a training group does the same work per step (forward, backward, one average of
+    the gradients across ranks, the optimizer's update): none reduces anything more.
+    """
     sections = settings.sections
     groups: List[Group] = []
-    quick = settings.mode in ("quick", "smoke")  # a smoke run has the quick plan, at its own size
+    smoke = settings.mode == "smoke"
+    quick = settings.mode in ("quick", "smoke")  # a smoke run has the quick plan, at its own size, trimmed
 
     def versus(framework: str, model: str, np_: int, controller: str) -> List[Contender]:
         tag = f"{framework}/{model} np={np_} {controller}"
@@ -147,31 +204,22 @@ def plan(settings: Settings) -> List[Group]:
         want_native = "native" in sections and np_ == 2 and controller == "gloo"
         if "overhead" in sections or want_native:
             people.append(Contender(f"hvdp {tag}", "hvdp", framework, np_, controller, "hvdp", model))
-        # "Same knobs" on the reference CNN only (in a quick run, on torch only): it isolates hvdp's own code,
-        # which is the same whatever the model.
-        if "overhead" in sections and model == "cnn" and not (quick and framework == "tensorflow"):
-            people.append(Contender(f"horovod (same knobs) {tag}", "horovod", framework, np_, controller,
-                                    "hvdp", model))
         if "overhead" in sections:
-            people.append(Contender(f"horovod (its defaults) {tag}", "horovod", framework, np_, controller,
-                                    "threads", model))
+            people += _pair(f"horovod {tag}", "horovod", framework, np_, controller, model)
         # The early wake on/off (Horovod's loop woken once a step's gradients are enqueued), on the models
         # whose steps are shortest, where a cycle's wait weighs most.
-        if "overhead" in sections and np_ == 2 and controller == "gloo" and model in ("cnn", "mlp"):
+        if "overhead" in sections and np_ == 2 and controller == "gloo" and model in ("cnn", "mlp") and not smoke:
             people.append(Contender(f"hvdp without early wake {tag}", "hvdp", framework, np_, controller, "hvdp",
                                     model, env={"HVDP_EARLY_WAKE": "0"}))
         # The gradient path before the direct one (hvdp.backends.torch_direct, hvdp.backends.tensorflow_direct):
-        # Horovod's negotiated rounds. TensorFlow's in the full run only (a quick run's time is CI's).
+        # Horovod's negotiated rounds. TensorFlow's in the full run only.
         if ("overhead" in sections or want_native) and np_ == 2 and controller == "gloo" and \
-                (framework == "torch" or not quick):
+                (framework == "torch" or not quick) and not smoke:
             people.append(Contender(f"hvdp on Horovod's gradient path {tag}", "hvdp", framework, np_, controller,
                                     "hvdp", model, env={"HVDP_GRADIENT_PATH": "horovod"}))
         if want_native:
             native = SPECS[framework].bench_native
-            people.append(Contender(f"{native} {tag}", native, framework, np_, controller, "threads", model))
-            # The native contender given hvdp's allocator settings too: the like-for-like ratio (in every mode).
-            people.append(Contender(f"{native} with hvdp's allocator settings {tag}", native, framework, np_,
-                                    controller, "threads", model, env=dict(ALLOCATOR_SETTINGS)))
+            people += _pair(f"{native} {tag}", native, framework, np_, controller, model)
         return people
 
     frameworks = tuple(SPECS)
@@ -186,37 +234,36 @@ def plan(settings: Settings) -> List[Group]:
         people = versus(framework, model, np_, controller)
         if len(people) > 1:
             groups.append(Group(f"{framework}/{model} np={np_} {controller}", people))
-    if "scaling" in sections:
+    if "scaling" in sections and not smoke:
         model = "cnn" if quick else "resnet18"
         people = [Contender(f"hvdp np=1 torch/{model}", "hvdp", "torch", 1, "gloo", "one-thread", model),
                   Contender(f"hvdp np=2 torch/{model}", "hvdp", "torch", 2, "gloo", "one-thread", model)]
-        if not quick:  # DDP's own 1 -> 2 scaling in the same run: the target compares the two efficiencies
-            people += [Contender(f"ddp np=1 torch/{model}", "ddp", "torch", 1, "gloo", "one-thread", model),
-                       Contender(f"ddp np=2 torch/{model}", "ddp", "torch", 2, "gloo", "one-thread", model)]
+        if not quick:  # DDP's own 1 -> 2 scaling in the same run (one thread per rank: like for like)
+            people += [Contender(f"ddp np=1 torch/{model} [like for like]", "ddp", "torch", 1, "gloo", "one-thread",
+                                 model),
+                       Contender(f"ddp np=2 torch/{model} [like for like]", "ddp", "torch", 2, "gloo", "one-thread",
+                                 model)]
         groups.append(Group(f"scaling torch/{model}", people))
     if "allreduce" in sections:
-        people = [Contender("hvdp.allreduce (gloo)", "hvdp", np=2, controller="gloo", task="allreduce"),
-                  Contender("hvdp.allreduce out= (gloo)", "hvdp", np=2, controller="gloo", task="allreduce",
-                            form="out")]
+        people = [Contender("hvdp.allreduce (gloo)", "hvdp", np=2, controller="gloo", task="allreduce")]
+        if not smoke:
+            people.append(Contender("hvdp.allreduce out= (gloo)", "hvdp", np=2, controller="gloo", task="allreduce",
+                                    form="out"))
         if not quick:
             people += [Contender("hvdp.allreduce (mpi)", "hvdp", np=2, controller="mpi", task="allreduce"),
                        Contender("hvdp.allreduce out= (mpi)", "hvdp", np=2, controller="mpi", task="allreduce",
-                                 form="out"),
-                       Contender("Horovod allreduce_ in place (gloo)", "horovod", np=2, controller="gloo",
-                                 task="allreduce"),
-                       Contender("Horovod allreduce_ in place (mpi)", "horovod", np=2, controller="mpi",
-                                 task="allreduce")]
-        people += [Contender("mpi4py Allreduce", "mpi4py", np=2, controller="mpi", knobs="threads",
-                             task="allreduce"),
-                   Contender("torch.distributed all_reduce (gloo)", "torchdist", np=2, knobs="threads",
-                             task="allreduce")]
-        # The sweep's own repetitions are many; in a quick run one round of each contender is enough.
-        groups.append(Group("allreduce", people, rounds=1 if quick else None))
+                                 form="out")]
+            for ctl in ("gloo", "mpi"):
+                people += _pair(f"Horovod allreduce_ in place ({ctl})", "horovod", controller=ctl, task="allreduce")
+        people += _pair("mpi4py Allreduce", "mpi4py", controller="mpi", task="allreduce")
+        people += _pair("torch.distributed all_reduce (gloo)", "torchdist", task="allreduce")
+        groups.append(Group("allreduce", people))
     if "breakdown" in sections:
-        # One job per controller; each alternates hvdp.allreduce and Horovod's allreduce_ call by call.
+        # One job per controller; each alternates hvdp.allreduce and Horovod's allreduce_ call by call (in the
+        # same processes, so under the same settings: hvdp run's).
         groups.append(Group("breakdown", [
             Contender(f"allreduce breakdown ({ctl})", "hvdp", np=2, controller=ctl, task="breakdown")
-            for ctl in ("gloo", "mpi")], rounds=1))
+            for ctl in (("gloo",) if smoke else ("gloo", "mpi"))]))
     if "sharded" in sections:
         # Adam's state sharded (hvdp shard_optimizer_state, torch's ZeroRedundancyOptimizer under DDP) beside
         # hvdp unsharded, at np=1 and np=2: step time, optimizer-state bytes and peak RSS per rank.
@@ -224,14 +271,19 @@ def plan(settings: Settings) -> List[Group]:
         for framework, names in models.items():
             for model in ("cnn",) if quick else names:
                 people = []
-                for np_ in (1, 2):
+                for np_ in (2,) if smoke else (1, 2):
                     tag = f"{framework}/{model} adam np={np_}"
                     people += [Contender(f"hvdp {tag}", "hvdp", framework, np_, "gloo", "one-thread", model,
                                          optimizer="adam"),
                                Contender(f"hvdp sharded {tag}", "hvdp", framework, np_, "gloo", "one-thread", model,
                                          optimizer="adam", shard=True)]
                     if framework == "torch":  # no peer shards a Keras optimizer's state
-                        people.append(Contender(f"ddp ZeroRedundancyOptimizer {tag}", "ddp", "torch", np_, "gloo",
-                                                "one-thread", model, optimizer="adam", shard=True))
+                        zero = _pair(f"ddp ZeroRedundancyOptimizer {tag}", "ddp", "torch", np_, "gloo", model,
+                                     optimizer="adam", shard=True)
+                        zero[1].knobs = "one-thread"  # like for like here: one thread per rank, as hvdp's
+                        people += zero
                 groups.append(Group(f"sharded {framework}/{model}", people))
+    if smoke:
+        for group in groups[1:]:
+            group.rounds = 1
     return groups

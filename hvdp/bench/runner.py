@@ -1,9 +1,11 @@
-"""How hvdp bench runs a contender: the command and environment of each job, started in turn, round after round
-(``--smoke``, which measures nothing, runs two jobs at a time)."""
+"""How hvdp bench runs a contender: the command and environment of each job, started one at a time, round after
+round, the contenders of each round in a shuffled order (``--smoke``, which measures nothing, runs two jobs at
+a time)."""
 
 from __future__ import annotations
 
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -18,7 +20,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import psutil  # type: ignore[import-untyped]
 
 from hvdp.bench.plan import Contender, Group, Settings
-from hvdp.bench.stats import median
+from hvdp.bench.stats import mean_step, median
 from hvdp.errors import BenchError
 from hvdp.frameworks import SPECS
 
@@ -44,7 +46,7 @@ def _free_port() -> int:
 
 
 def hvdp_env(contender: Contender, environ: Mapping[str, str], cpu_count: int) -> Tuple[List[str], Dict[str, str]]:
-    """hvdp's own horovodrun command and environment for a worker (hvdp's defaults included)."""
+    """hvdp run's horovodrun command and the environment it sets for a worker (hvdp's defaults included)."""
     from hvdp import launch
 
     args = launch.parse_run_args(["-np", str(contender.np), f"--{contender.controller}",
@@ -53,48 +55,65 @@ def hvdp_env(contender: Contender, environ: Mapping[str, str], cpu_count: int) -
     return launch.build_command(args, environ, cpu_count, launch.horovodrun_path())
 
 
+def hvdp_command() -> List[str]:
+    """The ``hvdp`` command as users start it: the console script of this Python's environment (else hvdp's
+    entry point through this Python)."""
+    beside = Path(sys.executable).parent / "hvdp"
+    if beside.exists():
+        return [str(beside)]
+    return [sys.executable, "-c", "import sys; from hvdp.launch.run import run; sys.exit(run(sys.argv[2:]))", "run"]
+
+
+def worker_args(contender: Contender, settings: Settings, out: str) -> List[str]:
+    """The words after ``python -m hvdp.bench.worker`` for ``contender``'s task."""
+    if contender.task == "allreduce":
+        return ["allreduce", "--impl", contender.impl, "--sizes", ",".join(map(str, settings.sweep_bytes)),
+                "--budget", str(settings.allreduce_budget), "--form", contender.form, "--out", out]
+    if contender.task == "breakdown":
+        return ["breakdown", "--impl", contender.impl, "--sizes", ",".join(map(str, settings.breakdown_bytes)),
+                "--calls", str(settings.breakdown_calls), "--warmup", str(min(settings.warmup, 2)),
+                "--budget", str(settings.breakdown_budget), "--out", out]
+    worker = ["train", "--impl", contender.impl, "--framework", contender.framework, "--model", contender.model,
+              "--batch", str(settings.batch), "--warmup", str(settings.warmup), "--steps", str(settings.steps),
+              "--out", out]
+    if contender.optimizer != "sgd" or contender.shard:
+        worker += ["--optimizer", contender.optimizer] + (["--shard"] if contender.shard else [])
+    return worker
+
+
 def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str, str],
         cpu_count: int) -> Tuple[List[List[str]], Dict[str, str], List[Dict[str, str]]]:
     """The command(s) and environment starting ``contender``: (argvs, common env, per-process env).
 
     One argv for launchers (hvdp run, horovodrun, torchrun); one per process for
-    MultiWorkerMirroredStrategy, each with its TF_CONFIG.
+    MultiWorkerMirroredStrategy, each with its TF_CONFIG. hvdp starts as its users start it, under
+    ``hvdp run`` (its per-rank bootstrap, output relay and heartbeat included), which sets its own
+    variables; a peer gets none of them (``knobs="defaults"``: as shipped) or all of them (like for like).
     """
     base = dict(environ)
     for var in ("HVDP_FRAMEWORK", "KERAS_BACKEND"):
         base.pop(var, None)
+    for var, value in SPECS[contender.framework].bench_env:  # what the framework's processes need to start
+        base.setdefault(var, value)
     base.update(contender.env)
     if contender.knobs == "one-thread":
         base.update({var: "1" for var in THREAD_VARS})
     hvdp_argv, hvdp_set = hvdp_env(contender, base, cpu_count)
-    if contender.knobs == "threads":
-        knobs = {var: hvdp_set[var] for var in THREAD_VARS if var in hvdp_set}
-    else:
-        knobs = dict(hvdp_set)
-    for var, value in SPECS[contender.framework].bench_env:
-        knobs.setdefault(var, value)
-    worker = ["--impl", contender.impl, "--framework", contender.framework, "--model", contender.model,
-              "--batch", str(settings.batch), "--warmup", str(settings.warmup), "--steps", str(settings.steps),
-              "--out", out]
-    if contender.optimizer != "sgd" or contender.shard:
-        worker += ["--optimizer", contender.optimizer] + (["--shard"] if contender.shard else [])
-    if contender.task == "allreduce":
-        worker = ["--impl", contender.impl, "--sizes", ",".join(map(str, settings.sweep_bytes)),
-                  "--budget", str(settings.allreduce_budget), "--form", contender.form, "--out", out]
-    if contender.task == "breakdown":
-        worker = ["--impl", contender.impl, "--sizes", ",".join(map(str, settings.breakdown_bytes)),
-                  "--calls", str(settings.breakdown_calls), "--warmup", str(min(settings.warmup, 2)),
-                  "--budget", str(settings.breakdown_budget), "--out", out]
-    worker = [contender.task, *worker]
+    knobs = {} if contender.knobs == "defaults" or contender.impl == "hvdp" else dict(hvdp_set)
+    worker = worker_args(contender, settings, out)
     python = [sys.executable, "-m", "hvdp.bench.worker"]
     env = {**base, **knobs, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     if contender.impl == "hvdp":
-        return [hvdp_argv + worker], env, []
+        run = [*hvdp_command(), "run", *hvdp_argv[1:4], "--framework", contender.framework]
+        return [run + python + worker], env, []
     if contender.impl in ("horovod", "mpi4py"):
         from hvdp import launch
+        from hvdp.launch.command import in_process
 
+        # horovodrun's own command line, started as hvdp run starts it (python -m hvdp.launch.horovodrun): its
+        # build check (5-7 s of importing TensorFlow per launch) answered from a cache; the ranks are the same.
         argv = [launch.horovodrun_path(), "-np", str(contender.np), f"--{contender.controller}", *python, *worker]
-        return [argv], env, []
+        return [in_process(argv)], env, []
     if contender.impl in ("ddp", "torchdist"):
         # --standalone: torchrun binds its store on a free port itself; a port chosen here and released could
         # be taken by another job's process in between (a smoke run starts two jobs at a time).
@@ -108,6 +127,18 @@ def job(contender: Contender, settings: Settings, out: str, environ: Mapping[str
                for i in range(contender.np)]
         return [python + worker for _ in range(contender.np)], env, per
     raise BenchError(f"unknown contender implementation {contender.impl!r}.")
+
+
+def describe(contender: Contender, settings: Settings, environ: Mapping[str, str], cpu_count: int) -> dict:
+    """What the results file says of ``contender``: its settings, the variables the bench set for it (beyond
+    ``environ``), those ``hvdp run`` sets for hvdp's ranks, and its command."""
+    argvs, env, _ = job(contender, settings, "OUT.json", environ, cpu_count)
+    _, hvdp_set = hvdp_env(contender, env, cpu_count)
+    own = {k: v for k, v in env.items() if environ.get(k) != v and k not in ("PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")}
+    return {"impl": contender.impl, "framework": contender.framework, "np": contender.np,
+            "controller": contender.controller, "task": contender.task, "model": contender.model,
+            "settings": contender.settings, "knobs": contender.knobs, "env": own,
+            "set_by_hvdp_run": hvdp_set if contender.impl == "hvdp" else {}, "argv": argvs[0]}
 
 
 def run_contender(contender: Contender, settings: Settings, workdir: Path, environ: Mapping[str, str],
@@ -177,17 +208,48 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:]
 
 
+def round_orders(contenders: List[Contender], rounds: int, rng: random.Random) -> List[List[Contender]]:
+    """The contenders' order in each round: a shuffle drawn from ``rng``, drawn again (a few times at most)
+    when it repeats the round before, so that no contender keeps one place in the machine's slow phases.
+
+    Example:
+        >>> a, b = Contender("A", "hvdp"), Contender("B", "horovod")
+        >>> orders = round_orders([a, b], 3, random.Random(0))
+        >>> [[c.label for c in o] for o in orders]
+        [['B', 'A'], ['A', 'B'], ['B', 'A']]
+    """
+    orders: List[List[Contender]] = []
+    for _ in range(rounds):
+        order = rng.sample(contenders, len(contenders))
+        for _ in range(10):
+            if not orders or len(contenders) < 2 or order != orders[-1]:
+                break
+            order = rng.sample(contenders, len(contenders))
+        if orders and len(contenders) > 1 and order == orders[-1]:  # ten draws alike (two contenders: 1 in 1024)
+            order = order[1:] + order[:1]
+        orders.append(order)
+    return orders
+
+
 def run_groups(groups: List[Group], settings: Settings, environ: Mapping[str, str], cpu_count: int,
                progress: Callable[[str], None],
                runner: Callable[[Contender, Settings, Path, Mapping[str, str], int], dict] = run_contender) -> None:
-    """Run each group's contenders in turn, ``settings.rounds`` times (A B C A B C ...); a smoke run keeps
-    SMOKE_JOBS_AT_ONCE jobs going at once, and records them in the same order."""
-    runs = [(group, r, contender) for group in groups for r in range(group.rounds or settings.rounds)
-            for contender in group.contenders]
+    """Run each group's contenders ``settings.rounds`` times, in a shuffled order per round drawn from
+    ``settings.seed`` (``Group.orders``); a smoke run keeps SMOKE_JOBS_AT_ONCE jobs going at once.
+
+    ``Group.runs[label][r]`` is rank 0's record of round ``r``; ``Group.samples`` every job in the order
+    started: round, place in the round, the contender, its job's wall seconds and its record."""
+    rng = random.Random(settings.seed)
+    runs: List[Tuple[Group, int, int, Contender]] = []
+    for group in groups:
+        group.orders = []
+        for r, order in enumerate(round_orders(group.contenders, group.rounds or settings.rounds, rng)):
+            group.orders.append([c.label for c in order])
+            runs += [(group, r, place, contender) for place, contender in enumerate(order)]
     with tempfile.TemporaryDirectory(prefix="hvdp-bench-") as tmp:
 
-        def one(item: Tuple[Group, int, Contender]) -> dict:
-            group, r, contender = item
+        def one(item: Tuple[Group, int, int, Contender]) -> Tuple[dict, float]:
+            group, r, _, contender = item
             start = time.monotonic()
             try:
                 record = runner(contender, settings, Path(tmp), environ, cpu_count)
@@ -198,20 +260,26 @@ def run_groups(groups: List[Group], settings: Settings, environ: Mapping[str, st
                     raise
                 progress(f"[{group.name}] {exc}\n[{group.name}] {contender.label}: hung; starting it once more")
                 record = runner(contender, settings, Path(tmp), environ, cpu_count)
+            seconds = time.monotonic() - start
             progress(f"[{group.name}] round {r + 1}/{group.rounds or settings.rounds}  {contender.label:<48} "
-                     f"{_brief(record)}  ({time.monotonic() - start:.0f} s)")
-            return record
+                     f"{_brief(record)}  ({seconds:.0f} s)")
+            return record, seconds
 
         at_once = SMOKE_JOBS_AT_ONCE if settings.mode == "smoke" else 1
         with ThreadPoolExecutor(max_workers=at_once) as pool:
-            for (group, _, contender), record in zip(runs, pool.map(one, runs)):
-                group.runs.setdefault(contender.label, []).append(record)
+            for (group, r, place, contender), (record, seconds) in zip(runs, pool.map(one, runs)):
+                group.samples.append({"round": r, "place": place, "contender": contender.label,
+                                      "job_seconds": round(seconds, 3), "record": record})
+        for group in groups:  # each contender's records in round order
+            for label in [c.label for c in group.contenders]:
+                group.runs[label] = [s["record"] for s in sorted(group.samples, key=lambda s: s["round"])
+                                     if s["contender"] == label]
 
 
 def _brief(record: dict) -> str:
     if "step_seconds" in record:
         cpu = record.get("cpu_seconds_per_step")
-        return f"step {median(record['step_seconds']) * 1e3:7.1f} ms" + \
+        return f"step {mean_step(record) * 1e3:7.1f} ms" + \
             (f", rank 0 CPU {cpu * 1e3:6.1f} ms/step" if cpu is not None else "")
     if "phases" in record:
         variant = next(iter(record["phases"]))

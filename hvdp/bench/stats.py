@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import List, Sequence
+from typing import Any, Dict, List, Sequence
 
 from hvdp.errors import BenchError
 
@@ -80,3 +80,41 @@ def efficiency(throughput_1: float, throughput_n: float, n: int = 2) -> float:
     if throughput_1 <= 0 or n < 1:
         raise BenchError(f"efficiency needs a positive np=1 throughput and n >= 1, got {throughput_1}, {n}.")
     return throughput_n / (n * throughput_1)
+
+
+def mean_step(record: dict) -> float:
+    """A training job's seconds per step: the mean over its measured steps, so that work done every N steps
+    (hvdp's drift guard) counts once per N steps, as in a long job (a median would leave it out).
+
+    Example:
+        >>> mean_step({"step_seconds": [0.1, 0.1, 0.1, 0.5]})
+        0.2
+    """
+    steps = record.get("step_seconds") or []
+    if not steps:
+        raise BenchError("a training record without measured steps; did the job fail?")
+    return float(sum(steps) / len(steps))
+
+
+def spread(values: Sequence[float]) -> Dict[str, Any]:
+    """The median of per-round ``values`` and their range: ``{"median", "low", "high", "rounds"}``.
+
+    Example:
+        >>> spread([0.3, 0.1, 0.2])
+        {'median': 0.2, 'low': 0.1, 'high': 0.3, 'rounds': 3}
+    """
+    return {"median": median(values), "low": float(min(values)), "high": float(max(values)), "rounds": len(values)}
+
+
+def ratio_spread(mine: Sequence[float], theirs: Sequence[float]) -> Dict[str, Any]:
+    """The ratio of two contenders round by round (both ran in each round), its median and range.
+
+    Example:
+        >>> ratio_spread([0.9, 1.0, 1.2], [1.0, 1.0, 1.0])["per_round"]
+        [0.9, 1.0, 1.2]
+    """
+    if len(mine) != len(theirs) or not mine:
+        raise BenchError(f"a ratio per round needs both contenders in every round: {len(mine)} and {len(theirs)} "
+                         f"rounds.")
+    per_round = [ratio(a, b) for a, b in zip(mine, theirs)]
+    return {"per_round": per_round, **spread(per_round)}

@@ -134,8 +134,10 @@ def train(impl: str, model_name: str, batch: int, warmup: int, steps: int, optim
 
         @tf.function(jit_compile=False)
         def train_mwms(features: Any, labels: Any) -> Any:
+            # This worker's own loss, as hvdp's and Horovod's steps return theirs: no reduce of the loss across
+            # workers, which would be a collective more per step than the other contenders make (equal work).
             per_replica = strategy.run(replica_step, args=(features, labels))
-            return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+            return strategy.experimental_local_results(per_replica)[0]
 
         def step(i: int) -> None:
             float(train_mwms(x[i % timing.POOL], y[i % timing.POOL]))

@@ -151,10 +151,10 @@ def test_plan_and_job_of_the_breakdown_section(monkeypatch):
     settings = bench.make_settings(True, None, None, None, "breakdown")
     settings.breakdown_bytes = (4096, 1 << 20)
     group, = bench.plan(settings)
-    assert group.name == "breakdown" and group.rounds == 1
+    assert group.name == "breakdown" and settings.rounds == 3  # every round, as every figure
     assert [c.controller for c in group.contenders] == ["gloo", "mpi"]
     argv, _, _ = bench.job(group.contenders[1], settings, "/o.json", {"PATH": "/usr/bin"}, 2)
-    assert argv[0][:4] == ["horovodrun", "-np", "2", "--mpi"]
+    assert argv[0][1:6] == ["run", "-np", "2", "--mpi", "--framework"]  # under hvdp run
     worker = argv[0][argv[0].index("breakdown"):]
     assert worker[worker.index("--sizes") + 1] == "4096,1048576" and "--calls" in worker
     assert any(g.name == "breakdown" for g in bench.plan(bench.make_settings(True, None, None, None, None)))
