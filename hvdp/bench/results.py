@@ -18,8 +18,9 @@ from hvdp.bench.runner import describe
 
 #: The format's name and version, the first key of every results file.
 FORMAT = "hvdp-bench-results/1"
-#: The distributions whose versions a results file records.
-DISTRIBUTIONS = ("torch", "tensorflow", "keras", "horovod", "mpi4py", "numpy")
+#: The packages whose versions a results file records, each with the distributions that install it.
+DISTRIBUTIONS = {"torch": ("torch",), "tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow_cpu"),
+                 "keras": ("keras",), "horovod": ("horovod",), "mpi4py": ("mpi4py",), "numpy": ("numpy",)}
 
 
 def load_average() -> Optional[List[float]]:
@@ -48,11 +49,14 @@ def machine() -> dict:
 def versions() -> Dict[str, Any]:
     """Python's, the frameworks' and Horovod's versions (None: not installed), and hvdp's git commit."""
     found: Dict[str, Any] = {"python": platform.python_version()}
-    for name in DISTRIBUTIONS:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
+    for name, distributions in DISTRIBUTIONS.items():
+        found[name] = None
+        for distribution in distributions:
+            try:
+                found[name] = metadata.version(distribution)
+                break
+            except metadata.PackageNotFoundError:
+                continue
     source = Path(__file__).resolve().parents[2]
     try:
         commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,

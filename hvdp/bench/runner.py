@@ -34,9 +34,9 @@ JOB_TIMEOUT_S = 600
 SMOKE_JOB_TIMEOUT_S = 180
 #: Seconds a job past its time gets to print its Python stacks (faulthandler, on SIGABRT) before SIGKILL.
 STACKS_GRACE_S = 5
-#: Jobs a ``--smoke`` run keeps going at once: its figures mean nothing (3 steps), and most of a job is its
-#: processes importing torch or TensorFlow, so two overlap their start-ups and waits.
-SMOKE_JOBS_AT_ONCE = 2
+#: Jobs a ``--smoke`` run keeps going at once: its figures mean nothing (2 steps), and most of a job is its
+#: processes importing torch or TensorFlow, then waiting (rendezvous, shutdown): three fill each other's waits.
+SMOKE_JOBS_AT_ONCE = 3
 
 
 def _free_port() -> int:
