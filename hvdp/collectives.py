@@ -209,6 +209,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, process_set: Optional[Proc
     """
     backend = _runtime.current("broadcast_object")
     handle = _process_sets.handle(process_set, "broadcast_object")
+    _process_sets.count_call(process_set)
     return backend.broadcast_object(obj, _validate.check_root(root_rank, "broadcast_object", process_set), handle)
 
 
@@ -220,6 +221,7 @@ def allgather_object(obj: Any, *, process_set: Optional[ProcessSet] = None) -> L
     """
     backend = _runtime.current("allgather_object")
     handle = _process_sets.handle(process_set, "allgather_object")
+    _process_sets.count_call(process_set)
     try:
         return backend.allgather_object(obj, handle)
     except Exception as exc:
@@ -252,6 +254,7 @@ def barrier(*, process_set: Optional[ProcessSet] = None) -> None:
     """
     backend = _runtime.current("barrier")
     handle = _process_sets.handle(process_set, "barrier")
+    _process_sets.count_call(process_set)
     backend.barrier(handle)
 
 
@@ -277,6 +280,7 @@ def broadcast_state(
     """
     backend = _runtime.current("broadcast_state")
     handle = _process_sets.handle(process_set, "broadcast_state")
+    _process_sets.count_call(process_set)
     backend.broadcast_state(model, optimizer, _validate.check_root(root_rank, "broadcast_state", process_set), handle)
 
 

@@ -252,7 +252,7 @@ def handle(process_set: Optional[ProcessSet], caller: str) -> Any:
 
 
 def collective_name(kind: str, name: Optional[str], process_set: Optional[ProcessSet]) -> str:
-    """``name``, or for an unnamed collective one counted per process set.
+    """``name``, or for an unnamed collective one counted per process set (:func:`count_call`).
 
     Horovod names unnamed torch collectives by a per-process counter, which
     differs between ranks as soon as they run collectives in different sets;
@@ -262,15 +262,22 @@ def collective_name(kind: str, name: Optional[str], process_set: Optional[Proces
         >>> collective_name("allreduce", "loss", None)
         'loss'
     """
+    count = count_call(process_set)
     if name is not None:
         return name
+    where = "" if process_set is None else "[" + ",".join(map(str, process_set.ranks)) + "]"
+    return f"hvdp.{kind}{where}.{count}"
+
+
+def count_call(process_set: Optional[ProcessSet]) -> int:
+    """This call's number among the collectives on ``process_set`` since init, whatever their kind or name, so
+    that unnamed calls keep the same names on every rank even after a call that differed between ranks (and was
+    refused) was, say, an allreduce on one rank and a barrier on another."""
     unnamed = _runtime.job().unnamed
     key = (_runtime.generation(), None if process_set is None else process_set.ranks)
     count = unnamed.get(key, 0)
     unnamed[key] = count + 1
-    where = "" if process_set is None else "[" + ",".join(map(str, process_set.ranks)) + "]"
-    return f"hvdp.{kind}{where}.{count}"
-
+    return count
 
 
 def members(process_set: Optional[ProcessSet], caller: str) -> List[int]:

@@ -19,7 +19,7 @@ import torch
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
-from hvdp.backends.torch_calls import direct_call
+from hvdp.backends.torch_calls import agreeing, direct_call, leave
 from hvdp.backends.torch_direct import direct_gradients, serve_until_finished
 from hvdp.backends.torch_gradients import (
     broadcast_buffers_before_forward,
@@ -125,6 +125,7 @@ class SyncBatchNorm(hvd.SyncBatchNorm):
     """
 
 
+@agreeing  # every whole-job collective starts with the header exchange (torch_calls)
 class Backend(HorovodJob):
     """hvdp's contract (:class:`hvdp.backends.base.Backend`) on PyTorch."""
 
@@ -207,8 +208,9 @@ class Backend(HorovodJob):
         )
 
     def join(self) -> int:
-        if not self.joining:  # the end of the job: ranks still training on the direct path get zeros from this one
+        if not self.joining:  # the end of the job: ranks still training on the direct path get zeros from this one,
             serve_until_finished()
+            leave()  # ranks still calling collectives hear that this one has finished
         return int(self._hvd.join())
 
     def on_step(self, optimizer: Any, callback: Callable[[Callable[[], List[Tuple[str, Any]]]], None]) -> bool:
@@ -241,10 +243,8 @@ class Backend(HorovodJob):
             raise TypeError(f"broadcast_state on torch takes a torch.nn.Module or a Keras 3 model, "
                             f"got {type(model).__name__}.")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer for a torch module, got "
-                f"{type(optimizer).__name__}."
-            )
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer for a torch module, got "
+                            f"{type(optimizer).__name__}.")
         handles = [hvd.broadcast_async_(tensor, root_rank, name=f"hvdp.state.{name}", process_set=horovod_set)
                    for name, tensor in sorted(model.state_dict().items())]
         for handle in handles:
@@ -291,13 +291,12 @@ class Backend(HorovodJob):
     def allreduce(self, value: Any, op: str, name: Optional[str], process_set: Any, out: Any = None) -> Any:
         tensor, as_numpy = self._to_tensor(value, "allreduce")
         horovod_op, horovod_set = self._op(op), self._set(process_set)
-        if not _differentiable(tensor):  # a whole-job CPU tensor: direct Gloo calls, without Horovod's rounds
-            target = out if out is None or not isinstance(out, np.ndarray) else torch.from_numpy(out)
-            with torch.no_grad():
-                direct = direct_call(tensor, op, name, process_set is None, self.joining,
-                                     target)
-            if direct is not None:
-                return out if out is not None else self._from_tensor(direct, as_numpy)
+        target = out if out is None or not isinstance(out, np.ndarray) else torch.from_numpy(out)
+        grad = _differentiable(tensor)  # the header exchange, then direct Gloo calls where every rank can
+        with torch.no_grad():
+            direct = direct_call(tensor, op, name, process_set is None, self.joining, target, grad)
+        if direct is not None:
+            return out if out is not None else self._from_tensor(direct, as_numpy)
         if out is not None:  # in place in out: no result tensor to allocate, fault in and free per call
             target = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
             with torch.no_grad():
