@@ -37,6 +37,7 @@ import ctypes
 import mmap
 import os
 import secrets
+import sys
 from typing import Any, Callable, Dict, List, Optional
 
 import horovod.torch as hvd
@@ -189,15 +190,15 @@ class SharedMemory:
         total = capacity + result_bytes
         name = os.path.join(SHM_DIR, f"hvdp-{token:x}-c{channel}-{capacity >> 20}m-r{{}}")
         state.files = [name.format(r) for r in range(self.size)]
-        ok = 1
+        ok, why = 1, ""
         try:
             fd = os.open(name.format(self.rank), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.posix_fallocate(fd, 0, total)  # the memory now, or an error (never a SIGBUS later)
             finally:
                 os.close(fd)
-        except OSError:
-            ok = 0
+        except OSError as error:
+            ok, why = 0, error.strerror or str(error)
         everyone = self.headers(channel, [_MARK, ok])
         maps: List[mmap.mmap] = []
         try:
@@ -218,12 +219,28 @@ class SharedMemory:
                 pass  # never made (this rank could not)
         if not everyone[:, 1].all():
             state.ring_only = True
+            said_fallback(total, [r for r in range(self.size) if not everyone[r, 1]], why, self.rank)
             return
         state.maps = maps
         whole = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         state.places = [w[:capacity] for w in whole]
         state.results = [w[capacity:] for w in whole]
         state.capacity = capacity
+
+
+_SAID = [False]
+
+
+def said_fallback(total: int, ranks: List[int], why: str, rank: int) -> None:
+    """Once per process, on rank 0 (or on a rank that could not, where rank 0 could): that a channel falls back
+    from shared memory to Gloo's ring, why, and the fix."""
+    if _SAID[0] or (rank != 0 and (rank not in ranks or 0 in ranks)):
+        return
+    _SAID[0] = True
+    print(f"hvdp: rank {', '.join(map(str, ranks))} could not reserve {total / (1 << 20):.0f} MiB of shared memory "
+          f"in {SHM_DIR}{f' ({why})' if why else ''}: ranks on one machine reduce tensors of this size through "
+          f"Gloo's ring instead (same results, slower). Fix: give {SHM_DIR} more room (a container: "
+          f"--shm-size=1g, Compose: shm_size), or set {SHM_ENV}=0 to skip shared memory.", file=sys.stderr, flush=True)
 
 
 def _segment(count: int, element_size: int, size: int) -> int:
