@@ -19,6 +19,7 @@ from hvdp import _keras_fit, _runtime, elastic, keras, profiler
 from hvdp import checkpoint as _checkpoint
 from hvdp import communicators as _communicators
 from hvdp import consistency as _consistency
+from hvdp import environment as _environment
 from hvdp import joining as _joining
 from hvdp import process_sets as _process_sets
 from hvdp import validate as _validate
@@ -94,6 +95,7 @@ def init(
         >>> sub = MPI.COMM_WORLD.Split(color=MPI.COMM_WORLD.rank // 2)  # doctest: +SKIP
         >>> hvdp.init(comm=sub)            # doctest: +SKIP
     """
+    _environment.check()  # hvdp's variables: a value it does not know is refused here, with the choices
     comm = _communicators.check_comm(comm)
     sets, dynamic = _process_sets.check_process_sets(process_sets, comm)
     _process_sets.start(framework, comm, sets, dynamic)
