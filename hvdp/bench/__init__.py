@@ -96,10 +96,10 @@ Takes hours (the full run) or about 40 min (--quick) on 2 cores."""
 #: What ``hvdp bench --help`` says below the options.
 EPILOG = """examples:
   hvdp bench --quick --results quick.json          every kind of comparison, 3 rounds, every sample kept
-  hvdp bench --smoke                               every kind of contender, 2 steps, 2 rounds: does it run (CI)
+  hvdp bench --smoke --results smoke.json          every kind of contender, 2 steps: does it run (CI)
   hvdp bench --only allreduce --json ar.json       one section, every figure written to ar.json
-  hvdp bench --only breakdown --breakdown 4K,64M   an allreduce call's time, by phase (1 min)
-  hvdp bench --only sharded                        sharded Adam: time, memory per rank (10 min)
+  hvdp bench --only breakdown --breakdown 4K,64M   an allreduce call's time, by phase
+  hvdp bench --only sharded                        sharded Adam: time, memory per rank
   hvdp bench --results bench.json --plot bench.png the full run, with a plot (hours)"""
 
 
@@ -111,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a shorter run touching every section")
     size.add_argument("--smoke", action="store_true",
-                      help="every kind of contender, 2 steps, 2 rounds: it runs (figures not measurements)")
+                      help="every kind of contender, 2 steps (the torch comparison over 2 shuffled rounds): "
+                           "it runs (figures not measurements)")
     parser.add_argument("--only", metavar="SECTIONS",
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--rounds", type=int,
