@@ -68,26 +68,27 @@ def keras_job(request, tmp_path_factory):
     return job_of("broadcast_keras.py", *request.param, tmp_path_factory)
 
 
-def check_runs(job, optimizers):
+def check_runs(job, optimizers, max_abs):
+    """Every run within ``max_abs`` of one process on the whole batch (torch: 0, the same bits)."""
     for name in optimizers:
         for when in WHEN:
             results = [rank["runs"][f"{name}/{when}"] for rank in job.ranks]
             for r in results:
                 assert r["moved"] > 1e-2, f"{name}/{when}: training did not move the parameters"
-                assert r["close"], f"{name}/{when}: {r['max_abs']} away from one process on the whole batch"
+                assert r["max_abs"] <= max_abs, f"{name}/{when}: {r['max_abs']} away from one process"
                 assert r["steps"] == r["reference_steps"], f"{name}/{when}: step counters {r}"
                 assert r["steps_after_broadcast"] == r["reference_steps_after_broadcast"], f"{name}/{when}: {r}"
             assert len({r["digest"] for r in results}) == 1, f"{name}/{when}: replicas differ"
 
 
 def test_torch_optimizers_from_different_weights_equal_one_process_with_their_step_counters(torch_job):
-    check_runs(torch_job, TORCH_OPTIMIZERS)
+    check_runs(torch_job, TORCH_OPTIMIZERS, max_abs=0.0)
     adam = torch_job.ranks[1]["runs"]["adam/resumed"]
     assert adam["steps"][0] == 7.0, adam  # 2 steps of rank 0's own, then 5 together: none added by the broadcast
 
 
 def test_keras_optimizers_from_different_weights_equal_one_process_with_their_iterations(keras_job):
-    check_runs(keras_job, KERAS_OPTIMIZERS)
+    check_runs(keras_job, KERAS_OPTIMIZERS, max_abs=1e-6)
     assert keras_job.ranks[1]["runs"]["adam/resumed"]["steps"] == 7
 
 
