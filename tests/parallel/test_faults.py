@@ -1,8 +1,8 @@
 """A failing rank ends the whole job quickly, and hvdp run names it (np=2).
 
-The five jobs that wait out a 10 s stall timeout (a stalled rank, a paused one; Gloo and MPI; a stalled rank on
-TensorFlow's direct path) run side by side (harness.side_by_side): what they time starts at the fault, once the
-job is up."""
+The six jobs that wait out a 10 s stall timeout (a stalled rank, a paused one; Gloo and MPI; a stalled rank on
+TensorFlow's direct path; models that differ between the ranks) run side by side (harness.side_by_side): what
+they time starts at the fault, once the job is up."""
 
 from __future__ import annotations
 
@@ -55,20 +55,23 @@ def test_an_exception_on_one_rank_is_named_as_the_cause(controller, tmp_path):
 
 @pytest.fixture(scope="module")
 def waiting_jobs(tmp_path_factory):
-    """The stall and pause jobs under both controllers, and a stall on TensorFlow's direct path, at once:
-    (mode, controller) -> (job, detection)."""
+    """The stall and pause jobs under both controllers, a stall on TensorFlow's direct path and the job whose
+    ranks' models differ, at once: (mode, controller) -> (job, detection), and ("differ", "gloo-tensorflow") -> job."""
     jobs = {(mode, controller): functools.partial(
         run_fault, mode, controller, tmp_path_factory.mktemp(f"{mode}-{controller}"), "--stall-timeout", "10")
         for mode in ("stall", "pause") for controller in ("gloo", "mpi")}
     jobs[("stall", "gloo-tensorflow")] = functools.partial(
         run_fault, "stall", "gloo", tmp_path_factory.mktemp("stall-tensorflow"), "--stall-timeout", "10",
         framework="tensorflow")
+    jobs[("differ", "gloo-tensorflow")] = functools.partial(
+        run_job, ["--gloo", "--framework", "tensorflow", "--stall-timeout", "10", str(WORKERS / "different_models.py")],
+        tmp_path_factory.mktemp("differ-tensorflow"), timeout=240)
     return side_by_side(jobs)
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_tensors(controller, waiting_jobs):
-    """Over 60 s for the first: the fixture runs the four stall-timeout jobs side by side."""
+    """Over 60 s for the first: the fixture runs the six stall-timeout jobs side by side."""
     job, detection = waiting_jobs[("stall", controller)].result()
     assert job.returncode != 0
     assert 10 <= detection < 10 + 20, detection  # Horovod checks every timeout/5 s, then the launcher stops
@@ -85,11 +88,10 @@ def test_a_stalled_rank_on_tensorflows_direct_path_ends_the_job_naming_it(waitin
         job.output[-3000:]
 
 
-def test_models_that_differ_between_ranks_end_the_stall_saying_so(tmp_path):
+def test_models_that_differ_between_ranks_end_the_stall_saying_so(waiting_jobs):
     """Rank 1's Keras model has a layer more: the stall's message says the models differ, with each
     rank's number of gradients (was: only the tensor names each rank never submitted)."""
-    job = run_job(["--gloo", "--framework", "tensorflow", "--stall-timeout", "10",
-                   str(WORKERS / "different_models.py")], tmp_path, timeout=240)
+    job = waiting_jobs[("differ", "gloo-tensorflow")].result()
     assert job.returncode != 0
     assert "The ranks reduce different gradients, so their models differ: rank 0 reduces 2 gradients; " \
            "rank 1 reduces 4 gradients." in job.output, job.output[-3000:]
