@@ -71,8 +71,9 @@ LAYERS = (
       "hvdp.collectives",
       "hvdp.process_sets", "hvdp.communicators", "hvdp.joining", "hvdp.elastic", "hvdp.checkpoint", "hvdp.data",
       "hvdp.grouped")),
-    ("runtime", "the job's state: the framework chosen once, its backend loaded, checks at shutdown",
-     ("hvdp._runtime", "hvdp.consistency", "hvdp.failures")),
+    ("runtime", "the job's state: the framework chosen once, its backend loaded, its variables checked at start, "
+     "checks at shutdown",
+     ("hvdp._runtime", "hvdp.consistency", "hvdp.failures", "hvdp.environment")),
     ("frameworks", "what hvdp knows of each framework without importing it: names, pins, probes, its backend",
      ("hvdp.frameworks", "hvdp.frameworks.*")),
     ("backends", "one adapter per framework over Horovod, and the Keras adapter they share",
