@@ -180,7 +180,7 @@ class State:
         """Called by :func:`run` once Horovod has restarted on the new set of workers (before the sync):
         drops stale host updates and runs the reset callbacks. torch's direct gradient paths learn again
         (the workers that joined start learning; those that survived must meet them on Horovod's path)."""
-        direct = sys.modules.get("hvdp.backends.torch_direct")  # loaded only on torch
+        direct = sys.modules.get("hvdp.backends.torch.direct.gradients")  # loaded only on torch
         if direct is not None:
             direct.relearn_all()
         self._hosts.on_reset()

@@ -3,7 +3,7 @@
     hvdp run -np 2 --framework torch --timeline /tmp/steps.json scripts/step_breakdown.py [--model cnn] [--rounds 3]
 
 Two copies of the bench's model (hvdp.bench), one optimizer on Horovod's path (HVDP_GRADIENT_PATH=horovod
-as it is built) and one on the direct path (hvdp.backends.torch_direct), train alternately, ``--steps`` steps
+as it is built) and one on the direct path (hvdp.backends.torch.direct.gradients), train alternately, ``--steps`` steps
 each per round. Every step is split into forward, backward's own compute (the backward call less the
 wait at its end), the hooks' Python (Horovod's per-gradient enqueue; the direct path's copy into its
 bucket and hand-off), the wait at the end of backward for the reductions, and the optimizer's step.
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import hvdp
-from hvdp.backends import torch_direct_calls, torch_gradients
+from hvdp.backends.torch import gradients
+from hvdp.backends.torch.direct import allreduce as direct_allreduce
 from hvdp.bench import breakdown, models
 from hvdp.bench.torch_bench import build_model
 
@@ -35,11 +36,11 @@ PHASES = ("forward", "backward compute", "hooks", "wait at backward's end", "opt
 def build(path: str, model_name: str) -> Any:
     torch.manual_seed(0)
     model = build_model(model_name)
-    os.environ[torch_direct_calls.PATH_ENV] = path
+    os.environ[direct_allreduce.PATH_ENV] = path
     try:
         opt = hvdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), model)
     finally:
-        del os.environ[torch_direct_calls.PATH_ENV]
+        del os.environ[direct_allreduce.PATH_ENV]
     hvdp.broadcast_state(model, opt)
     return model, opt
 
@@ -58,8 +59,8 @@ def instrument(opt: Any, path: str, clock: Dict[str, float]) -> None:
 
     if path == "horovod":
         opt._allreduce_grad_async = timed(opt._allreduce_grad_async, "hooks")
-        # the end of backward waits for each gradient's handle in torch_gradients.wait
-        torch_gradients.wait = timed(torch_gradients.wait, "wait")
+        # the end of backward waits for each gradient's handle in gradients.wait
+        gradients.wait = timed(gradients.wait, "wait")
     else:
         direct = opt.gradient_path
         direct.finish = timed(direct.finish, "wait")  # send the rest, wait, write .grad
@@ -68,7 +69,7 @@ def instrument(opt: Any, path: str, clock: Dict[str, float]) -> None:
             p._post_accumulate_grad_hooks.clear()
             p.register_post_accumulate_grad_hook(direct.hook)
         # the sender thread's Gloo calls (the class's: the thread took the instance when it started)
-        torch_direct_calls.DirectAllreduce.__call__ = timed(torch_direct_calls.DirectAllreduce.__call__,  # type: ignore
+        direct_allreduce.DirectAllreduce.__call__ = timed(direct_allreduce.DirectAllreduce.__call__,  # type: ignore
                                                       "transport")
 
 

@@ -1,6 +1,6 @@
 """The contract every framework backend implements.
 
-A backend is a small class named ``Backend`` in ``hvdp/backends/<framework>.py``.
+A backend is a small class named ``Backend`` in ``hvdp/backends/<framework>/__init__.py``.
 It may also offer framework-specific extras beside the contract, declared in
 :class:`Extras` and named in its ``extras`` (``sync_batch_norm`` on torch,
 ``distributed_gradient_tape`` on TensorFlow); the facade says clearly when the

@@ -1,8 +1,8 @@
 """What every framework's direct path shares, without importing a framework: the switch between the direct
 path and Horovod's (:data:`PATH_ENV`), how long a direct call waits (:func:`timeout_ms`) and its stall report
 (:func:`report_stall`), the build's C entries
-(:func:`entry`) and the quiet loop (:func:`quiet_loop`). torch's direct path: :mod:`.torch_direct_calls`;
-TensorFlow's: :mod:`.tensorflow_direct`.
+(:func:`entry`) and the quiet loop (:func:`quiet_loop`). torch's direct path: :mod:`.torch.direct.allreduce`;
+TensorFlow's: :mod:`.tensorflow.direct`.
 """
 
 from __future__ import annotations

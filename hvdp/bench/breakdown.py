@@ -30,7 +30,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from hvdp.errors import BenchError
 
 #: The variants timed side by side, in the order of the table: hvdp's call as it runs (under Gloo by direct
-#: calls, :func:`hvdp.backends.torch_calls.direct_call`), the same call on Horovod's path
+#: calls, :func:`hvdp.backends.torch.direct.calls.direct_call`), the same call on Horovod's path
 #: (``HVDP_GRADIENT_PATH=horovod``), and Horovod's own in-place call.
 VARIANTS = ("hvdp.allreduce", "hvdp.allreduce, Horovod's path", "Horovod allreduce_ (in place)")
 #: The variant whose calls skip Horovod's queue and timeline under Gloo: its phases are Python's only, with

@@ -211,8 +211,8 @@ def plan(settings: Settings) -> List[Group]:
         if "overhead" in sections and np_ == 2 and controller == "gloo" and model in ("cnn", "mlp") and not smoke:
             people.append(Contender(f"hvdp without early wake {tag}", "hvdp", framework, np_, controller, "hvdp",
                                     model, env={"HVDP_EARLY_WAKE": "0"}))
-        # The gradient path before the direct one (hvdp.backends.torch_direct, hvdp.backends.tensorflow_direct):
-        # Horovod's negotiated rounds. TensorFlow's in the full run only.
+        # The gradient path before the direct one (hvdp.backends.torch.direct.gradients,
+        # hvdp.backends.tensorflow.direct): Horovod's negotiated rounds. TensorFlow's in the full run only.
         if ("overhead" in sections or want_native) and np_ == 2 and controller == "gloo" and \
                 (framework == "torch" or not quick) and not smoke:
             people.append(Contender(f"hvdp on Horovod's gradient path {tag}", "hvdp", framework, np_, controller,

@@ -180,7 +180,8 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
     from horovod.torch import mpi_ops
 
     import hvdp
-    from hvdp.backends import torch_calls, torch_direct_calls
+    from hvdp.backends.direct import PATH_ENV
+    from hvdp.backends.torch.direct import calls as direct_calls
     from hvdp.bench import breakdown as bd
 
     os.environ["HOROVOD_TIMELINE"] = timeline
@@ -208,8 +209,8 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
 
     hvd.allreduce_async, mpi_ops._allreduce_async = allreduce_async, _allreduce_async
     hvd.synchronize = mpi_ops.synchronize = synchronize
-    exchange = torch_calls._EXCHANGE  # the direct calls: marks around the packing, the exchange and the ring
-    reduce, entry, ring = exchange.reduce, exchange.entry, torch_calls._RING.entry
+    exchange = direct_calls._EXCHANGE  # the direct calls: marks around the packing, the exchange and the ring
+    reduce, entry, ring = exchange.reduce, exchange.entry, direct_calls._RING.entry
 
     def reduce_marked(*args: Any, **kwargs: Any) -> Any:
         current["alloc"] = now()
@@ -227,7 +228,7 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
         return code
 
     exchange.reduce, exchange.entry = reduce_marked, entry_marked  # type: ignore[method-assign]
-    torch_calls._RING.entry = ring_marked
+    direct_calls._RING.entry = ring_marked
 
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -239,11 +240,11 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
         tensors = {v: torch.ones(nbytes // 4) for v in bd.VARIANTS}
         names = {v: f"breakdown.{i}.{nbytes}" for i, v in enumerate(bd.VARIANTS)}
         def horovods_path() -> Any:
-            os.environ[torch_direct_calls.PATH_ENV] = "horovod"
+            os.environ[PATH_ENV] = "horovod"
             try:
                 return hvdp.allreduce(tensors[bd.VARIANTS[1]], op="sum", name=names[bd.VARIANTS[1]])
             finally:
-                del os.environ[torch_direct_calls.PATH_ENV]
+                del os.environ[PATH_ENV]
 
         run = {bd.VARIANTS[0]: lambda: hvdp.allreduce(tensors[bd.VARIANTS[0]], op="sum", name=names[bd.VARIANTS[0]]),
                bd.VARIANTS[1]: horovods_path,
@@ -280,7 +281,7 @@ def breakdown(sizes: List[int], calls: int, warmup: int, budget: float, timeline
     finally:
         hvd.allreduce_async, mpi_ops._allreduce_async, hvd.synchronize, mpi_ops.synchronize = originals
         exchange.reduce, exchange.entry = reduce, entry  # type: ignore[method-assign]
-        torch_calls._RING.entry = ring
+        direct_calls._RING.entry = ring
     mine = {"marks": marks, "faults": minflt, "offset_ns": _clock_offset_ns()}
     every = hvdp.allgather_object(mine)
     hvdp.shutdown()

@@ -3,7 +3,7 @@
 ``hvdp build`` and ``hvdp doctor`` read these (through :mod:`hvdp.frameworks`)
 to learn a framework's distributions, Horovod build flag and probes (the changes to
 Horovod's source for it are ``hvdp build``'s, in :mod:`hvdp.horovod_build.patches`);
-the backends themselves (``hvdp/backends/torch.py``, ``tensorflow.py``) import the framework
+the backends themselves (the packages ``hvdp/backends/torch/``, ``tensorflow/``) import the framework
 and are loaded only by ``hvdp.init``. This module imports nothing from hvdp.
 """
 

@@ -54,8 +54,8 @@ _CASE = (
     "      break;\n"
 )
 
-#: hvdp's direct calls (:mod:`hvdp.backends.torch_direct`, :mod:`hvdp.backends.torch_direct_calls`), run by
-#: the calling thread itself on the whole job's Gloo context, outside the background loop and its rounds:
+#: hvdp's direct calls (:mod:`hvdp.backends.torch.direct.gradients`, :mod:`hvdp.backends.torch.direct.allreduce`),
+#: run by the calling thread itself on the whole job's Gloo context, outside the background loop and its rounds:
 #: ``horovod_hvdp_direct_allreduce_from``, a sum-allreduce of an input into an output (Gloo's ring reads the
 #: input where it is: :data:`GLOO_RING_FROM_INPUT`; the same buffer: in place),
 #: ``horovod_hvdp_direct_allreduce``, its in-place form, and ``horovod_hvdp_direct_exchange``,
@@ -143,13 +143,13 @@ DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
           "the direct allreduce's declaration, exported like Horovod's own C interface"),
 )
 
-#: The quiet loop. While every gradient path of the process runs direct (:mod:`hvdp.backends.torch_direct`),
+#: The quiet loop. While every gradient path of the process runs direct (:mod:`hvdp.backends.torch.direct.gradients`),
 #: Horovod's background loop has nothing to do, yet its rounds go on every HOROVOD_CYCLE_TIME (5 ms), each a
 #: thread wake-up and a Gloo exchange on a machine whose cores the step needs. ``horovod_hvdp_quiet_loop(ms)``
 #: spaces the rounds ``ms`` apart (0: the cycle time again), and while it does, every tensor submitted to
 #: Horovod wakes the loop at once (the early wake's wake), so a collective is not kept waiting for the cadence;
 #: the ranks' rounds still meet within ``ms``, far inside Gloo's timeout
-#: (:data:`hvdp.backends.torch_direct_calls.QUIET_MS`). A no-op with ``HVDP_EARLY_WAKE=0``.
+#: (:data:`hvdp.backends.torch.direct.allreduce.QUIET_MS`). A no-op with ``HVDP_EARLY_WAKE=0``.
 QUIET_LOOP: Tuple[Patch, ...] = (
     Patch(_OPS, "bool hvdp_left_waiting = false;\n",
           "bool hvdp_left_waiting = false;\n"

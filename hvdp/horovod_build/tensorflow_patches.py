@@ -195,7 +195,7 @@ _MPI_OPS = "horovod/tensorflow/mpi_ops.cc"
 
 #: ``HvdpDirectAllreduce``: TensorFlow's gradients by the direct allreduce
 #: (:data:`hvdp.horovod_build.direct_patches.DIRECT_ALLREDUCE`'s ``horovod_hvdp_direct_allreduce_from``), run by
-#: the op's own thread on the job's Gloo context, outside Horovod's rounds (:mod:`hvdp.backends.tensorflow_direct`).
+#: the op's own thread on the job's Gloo context, outside Horovod's rounds (:mod:`hvdp.backends.tensorflow.direct`).
 #: One flat float32/float64 tensor in, its sum over every rank times ``scale`` out. Stateful, so a traced
 #: function runs its calls in the order they were traced, the same on every rank; CPU only. A timed-out call
 #: prints Horovod's stall report lines (every other rank missing), which ``hvdp run`` reads.

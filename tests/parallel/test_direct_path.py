@@ -1,5 +1,5 @@
 """torch's direct gradient path (fixed buckets allreduced by direct Gloo calls once the ranks agree on them,
-:mod:`hvdp.backends.torch_direct`) against Horovod's negotiated path, in one np=2 job: every setting gives the
+:mod:`hvdp.backends.torch.direct.gradients`) against Horovod's negotiated path, in one np=2 job: every setting gives the
 same parameters on both paths and on both ranks; a graph change on one rank is seen by every rank at the same
 step, the step still right, and the next step learns again on Horovod's path; two optimizers over one
 backward pass share the one sender thread. Small hvdp.allreduce calls (a direct exchange) give Horovod's

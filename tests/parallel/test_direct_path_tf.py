@@ -1,5 +1,5 @@
 """TensorFlow's direct gradient path (one direct allreduce per dtype inside the traced step, where every rank's
-gradients have the same layout: :mod:`hvdp.backends.tensorflow_direct`) against Horovod's path, in one np=2 job:
+gradients have the same layout: :mod:`hvdp.backends.tensorflow.direct`) against Horovod's path, in one np=2 job:
 a traced and an eager DistributedGradientTape, average and sum, two dtypes in one update, sources that change on
 every rank, and a float16 gradient (which keeps Horovod's path). Keras's model.fit on the direct path:
 test_keras_backends.py; ranks whose models differ: test_faults.py (the stall names them), a stalled rank: there too.

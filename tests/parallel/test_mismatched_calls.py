@@ -2,7 +2,7 @@
 and the job goes on (torch, Gloo, at np=2 and np=3; --stall-timeout 60, so a hang would show as a minute):
 ops, kinds, roots, names, dtypes and shapes, at 4 KB (one direct exchange), 1 MB (the ring) and on Horovod's
 path (an op or dtype only it has). The path each call takes is chosen from headers every rank exchanges
-(hvdp.backends.torch_calls), so two ranks never wait in two mechanisms. A rank that finishes its script while
+(hvdp.backends.torch.direct.calls), so two ranks never wait in two mechanisms. A rank that finishes its script while
 another still calls: test_leave_early.py."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 call: :data:`hvdp.horovod_build.patches.GLOO_REDUCESCATTER`), at np=3, where a rank sums more than two blocks
 and some ranks receive no rows; and hvdp.allreduce past 256 KB, Gloo's ring from an input apart from its output
 (:data:`hvdp.horovod_build.direct_patches.GLOO_RING_FROM_INPUT`), where np=3 forwards reduced segments, and
-past 8 MB through shared memory (:mod:`hvdp.backends.torch_shm`), three places summed per segment. One
+past 8 MB through shared memory (:mod:`hvdp.backends.torch.direct.shm`), three places summed per segment. One
 torch job checks every case; what every rank reports is asserted."""
 
 from __future__ import annotations

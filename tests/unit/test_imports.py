@@ -76,7 +76,10 @@ LAYERS = (
      ("hvdp._runtime", "hvdp.consistency", "hvdp.failures", "hvdp.environment")),
     ("frameworks", "what hvdp knows of each framework without importing it: names, pins, probes, its backend",
      ("hvdp.frameworks", "hvdp.frameworks.*")),
-    ("backends", "one adapter per framework over Horovod, and the Keras adapter they share",
+    ("backends", "one adapter per framework over Horovod, a package each with the same module names",
+     ("hvdp.backends.torch", "hvdp.backends.torch.*", "hvdp.backends.tensorflow", "hvdp.backends.tensorflow.*")),
+    ("backends' common", "what the framework packages share: the contract, the direct path's common part, the "
+     "Keras adapter",
      ("hvdp.backends", "hvdp.backends.*")),
     ("foundation", "what every layer may use, importing nothing of hvdp above it",
      ("hvdp.errors", "hvdp.profiler", "hvdp._keras_jobs")),
@@ -143,7 +146,8 @@ def test_every_module_stands_in_one_declared_layer():
     graph = import_graph()
     assert sorted(m for m in graph if not _placed(m)) == []
     assert [layer_of(m) for m in ("hvdp.cli", "hvdp.keras", "hvdp", "hvdp._runtime", "hvdp.backends.torch",
-                                  "hvdp.errors")] == [0, 1, 1, 2, 4, 5]
+                                  "hvdp.backends.torch.direct.calls", "hvdp.backends.keras.sharded",
+                                  "hvdp.errors")] == [0, 1, 1, 2, 4, 4, 5, 6]
 
 
 def _placed(module: str) -> bool:

@@ -1,4 +1,4 @@
-"""torch's direct gradient path (hvdp.backends.torch_direct) beside Horovod's path in one job: the same model,
+"""torch's direct gradient path (hvdp.backends.torch.direct.gradients) beside Horovod's path in one job: the same model,
 data and steps through two optimizers, one on each path (HVDP_GRADIENT_PATH read as each is built), for
 several settings; a graph change on one rank (a layer skipped at one step); two optimizers over one backward
 pass; small hvdp.allreduce calls. Each rank reports both models' parameters and the direct path's counts.
@@ -17,7 +17,7 @@ from _report import digest, write
 from sklearn.datasets import load_digits
 
 import hvdp
-from hvdp.backends import torch_direct_calls
+from hvdp.backends.torch.direct import allreduce as direct_allreduce
 
 STEPS = 8
 #: The step at which rank 1 leaves the middle layer out of its forward (its parameters get no gradient there).
@@ -60,19 +60,20 @@ def train(path: str, options: Dict[str, Any], skip_rank: int = -1, passes: int =
     """``in_place``: the two hidden weights (6144 and 9216 elements) allreduced in their own .grad; ``lanes``:
     gathered buckets of 5000 elements, two of them, on the two sender lanes (else every gradient is gathered
     into one bucket); ``shm``: every bucket through shared memory (its threshold, 512 KB, lowered to 1 byte)."""
-    from hvdp.backends import torch_buckets, torch_shm
-    from hvdp.backends import torch_direct_buckets as buckets
-    defaults = buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET, torch_shm.BUCKET_MIN_BYTES
+    from hvdp.backends.torch import sharded_buckets
+    from hvdp.backends.torch.direct import buckets
+    from hvdp.backends.torch.direct import shm as direct_shm
+    defaults = buckets.IN_PLACE, sharded_buckets.FIRST, sharded_buckets.BUCKET, direct_shm.BUCKET_MIN_BYTES
     buckets.IN_PLACE = 5000 if in_place else buckets.IN_PLACE
     if lanes:
-        torch_buckets.FIRST = torch_buckets.BUCKET = 5000
-    torch_shm.BUCKET_MIN_BYTES = 1 if shm else torch_shm.BUCKET_MIN_BYTES
-    local = torch_direct_calls.local_memory()
+        sharded_buckets.FIRST = sharded_buckets.BUCKET = 5000
+    direct_shm.BUCKET_MIN_BYTES = 1 if shm else direct_shm.BUCKET_MIN_BYTES
+    local = direct_allreduce.local_memory()
     served = local.served if local is not None else 0
     try:
         found = trained(path, options, skip_rank, passes, local_first)
     finally:
-        buckets.IN_PLACE, torch_buckets.FIRST, torch_buckets.BUCKET, torch_shm.BUCKET_MIN_BYTES = defaults
+        buckets.IN_PLACE, sharded_buckets.FIRST, sharded_buckets.BUCKET, direct_shm.BUCKET_MIN_BYTES = defaults
     found["shared memory calls"] = (local.served if local is not None else 0) - served
     return found
 
@@ -94,13 +95,13 @@ def trained(path: str, options: Dict[str, Any], skip_rank: int, passes: int, loc
         opt.step()
         direct = opt.gradient_path
         modes.append(None if direct is None else direct.mode)
-        quiet.append(torch_direct_calls.is_quiet())
+        quiet.append(direct_allreduce.is_quiet())
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     direct = opt.gradient_path
     # A collective on Horovod's path (512 KB: not a small direct call) while its loop may be quiet.
     big = hvdp.allreduce(torch.full((1 << 17,), float(hvdp.rank() + 1)), op="sum", name=f"big.{path}.{options}")
     return {"params": flat.tolist(), "digest": digest(flat), "modes": modes, "quiet": quiet,
-            "big": [float(big.min()), float(big.max())], "quiet after big": torch_direct_calls.is_quiet(),
+            "big": [float(big.min()), float(big.max())], "quiet after big": direct_allreduce.is_quiet(),
             "counts": None if direct is None else dict(direct.counts),
             "buckets": None if direct is None else [b.in_place for b in direct.buckets],
             "lanes": None if direct is None else [b.lane for b in direct.buckets]}
@@ -135,15 +136,15 @@ def two_optimizers(path: str) -> Dict[str, Any]:
 @contextmanager
 def counted_rings() -> Iterator[List[int]]:
     """Inside: every call of Gloo's ring by hvdp.allreduce's large calls, counted (its element counts)."""
-    from hvdp.backends import torch_calls
+    from hvdp.backends.torch.direct import calls as direct_calls
 
     rings: List[int] = []
-    entry = torch_calls._RING.entry
-    torch_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)
+    entry = direct_calls._RING.entry
+    direct_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)
     try:
         yield rings
     finally:
-        torch_calls._RING.entry = entry
+        direct_calls._RING.entry = entry
 
 
 def compared(value: torch.Tensor, op: str, name: str) -> Dict[str, Any]:
@@ -238,13 +239,13 @@ def shared_memory_calls() -> Dict[str, Any]:
     """hvdp.allreduce of tensors of SHM_MIN_BYTES and more, which go through shared memory (every rank is on this
     machine), beside Horovod's path; a direct call whose sizes differ between ranks, refused on both; a rank
     that cannot have the memory (its SHM_DIR missing), after which the channel keeps Gloo's ring on both."""
-    from hvdp.backends import torch_shm
-    from hvdp.backends.torch_direct_calls import DirectAllreduce, local_memory
+    from hvdp.backends.torch.direct import shm as direct_shm
+    from hvdp.backends.torch.direct.allreduce import DirectAllreduce, local_memory
 
     rank, found = hvdp.rank(), {}
     local = local_memory()
     assert local is not None and local.on, "a Gloo job of 2 ranks on one machine"
-    n = torch_shm.SHM_MIN_BYTES // 4 + 1000  # float32 elements: just past the threshold
+    n = direct_shm.SHM_MIN_BYTES // 4 + 1000  # float32 elements: just past the threshold
     served = local.served
     with counted_rings() as rings:
         for dtype, op in ((torch.float32, "sum"), (torch.float32, "average"), (torch.float64, "sum"),
@@ -271,18 +272,18 @@ def shared_memory_calls() -> Dict[str, Any]:
     after = torch.ones(n)
     allreduce(after, 6)
     found["after the refusal"] = float(after.sum())
-    where = torch_shm.SHM_DIR
-    torch_shm.SHM_DIR = "/nonexistent-hvdp-shm" if rank == 1 else where  # rank 1 cannot have the memory
+    where = direct_shm.SHM_DIR
+    direct_shm.SHM_DIR = "/nonexistent-hvdp-shm" if rank == 1 else where  # rank 1 cannot have the memory
     try:
         served, value = local.served, torch.full((n,), float(rank + 1))
         allreduce(value, 7)
         found["memory refused"] = {"right": bool((value == 3.0).all()), "ring only": local.channels[7].ring_only,
                                    "served": local.served - served}
     finally:
-        torch_shm.SHM_DIR = where
+        direct_shm.SHM_DIR = where
     found["files left"] = [f for state in local.channels.values() for f in state.files if os.path.exists(f)]
     try:
-        torch_shm.enabled_from("yes")
+        direct_shm.enabled_from("yes")
         found["setting refused"] = ""
     except ValueError as error:
         found["setting refused"] = str(error)
@@ -291,7 +292,7 @@ def shared_memory_calls() -> Dict[str, Any]:
 
 def main() -> None:
     hvdp.init(framework="torch")
-    assert torch_direct_calls.QUIET_MS == 50, "the quiet loop is on by default (HVDP_QUIET_LOOP_MS unset)"
+    assert direct_allreduce.QUIET_MS == 50, "the quiet loop is on by default (HVDP_QUIET_LOOP_MS unset)"
     record: Dict[str, Any] = {"rank": hvdp.rank(), "size": hvdp.size(), "cases": {}}
     settings = {"average": ({}, {}), "sum": ({"op": "sum"}, {}), "predivide": ({"gradient_predivide_factor": 2.0}, {}),
                 "two passes": ({"backward_passes_per_step": 2}, {"passes": 2}),
@@ -318,19 +319,19 @@ def main() -> None:
 def quiet_setting() -> Dict[str, Any]:
     """HVDP_QUIET_LOOP_MS's values, and a job cycle as long as the quiet spacing, which leaves the loop alone."""
     try:
-        torch_direct_calls.quiet_ms_from("fast")
+        direct_allreduce.quiet_ms_from("fast")
         refused = ""
     except ValueError as error:
         refused = str(error)
-    torch_direct_calls.quiet_loop(False)
+    direct_allreduce.quiet_loop(False)
     os.environ["HOROVOD_CYCLE_TIME"], cycle = "50", os.environ.get("HOROVOD_CYCLE_TIME")
-    torch_direct_calls.quiet_loop(True)
-    quiet_with_long_cycle = torch_direct_calls.is_quiet()
+    direct_allreduce.quiet_loop(True)
+    quiet_with_long_cycle = direct_allreduce.is_quiet()
     if cycle is None:
         del os.environ["HOROVOD_CYCLE_TIME"]
     else:
         os.environ["HOROVOD_CYCLE_TIME"] = cycle
-    return {"unset": torch_direct_calls.quiet_ms_from(None), "zero": torch_direct_calls.quiet_ms_from(" 0"),
+    return {"unset": direct_allreduce.quiet_ms_from(None), "zero": direct_allreduce.quiet_ms_from(" 0"),
             "refused": refused, "quiet with a 50 ms cycle": quiet_with_long_cycle}
 
 

@@ -1,4 +1,4 @@
-"""TensorFlow's direct gradient path (hvdp.backends.tensorflow_direct) against Horovod's, in one job (np=2).
+"""TensorFlow's direct gradient path (hvdp.backends.tensorflow.direct) against Horovod's, in one job (np=2).
 
 Each case trains the same variables (float32 and float64, so two dtypes in one update) on per-rank data with
 hvdp.DistributedGradientTape, once per path (HVDP_GRADIENT_PATH), and reports the parameters, their digest and

@@ -59,14 +59,15 @@ def fit_against_union(rank: int, size: int) -> dict:
     x, y = rank_data(rank, PER_RANK_BATCH * STEPS)
     shm, on_torch = None, keras.backend.backend() == "torch"
     if on_torch:  # its direct updates through shared memory (threshold lowered: 1 byte)
-        from hvdp.backends import torch_direct_calls, torch_shm
-        shm, least = torch_direct_calls.local_memory(), torch_shm.SHM_MIN_BYTES
-        served, torch_shm.SHM_MIN_BYTES = (shm.served if shm is not None else 0), 1
+        from hvdp.backends.torch.direct import allreduce as direct_allreduce
+        from hvdp.backends.torch.direct import shm as direct_shm
+        shm, least = direct_allreduce.local_memory(), direct_shm.SHM_MIN_BYTES
+        served, direct_shm.SHM_MIN_BYTES = (shm.served if shm is not None else 0), 1
     try:
         model.fit(x, y, batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
     finally:
         if on_torch:
-            torch_shm.SHM_MIN_BYTES = least
+            direct_shm.SHM_MIN_BYTES = least
     shared = shm.served - served if shm is not None else None
 
     # One process, same start (rank 0's), each step on the union of the ranks' batches.

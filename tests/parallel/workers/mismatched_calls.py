@@ -1,7 +1,7 @@
 """Collective calls that differ between ranks (rank 0 makes one call, every other rank another), each followed
 by a call every rank makes alike: each rank reports what its call raised, in how long, and the next call's result.
 
-torch under Gloo, where every whole-job call starts with the header exchange (hvdp.backends.torch_calls): the
+torch under Gloo, where every whole-job call starts with the header exchange (hvdp.backends.torch.direct.calls): the
 path (direct or Horovod's) is chosen from the agreed headers, so a difference is refused on every rank at once
 instead of two ranks waiting in two mechanisms until the stall timeout.
 """

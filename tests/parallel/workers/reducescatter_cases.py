@@ -84,16 +84,16 @@ def ring_cases(sizes: Any, shared: bool) -> Dict[str, Any]:
     its input and forwards segments it reduced, which np=2 never does; in shared memory each rank sums one
     segment of three places. A new tensor, out= (another tensor, the tensor itself), against NumPy; the input
     unchanged."""
-    from hvdp.backends import torch_calls
-    from hvdp.backends.torch_direct_calls import local_memory
+    from hvdp.backends.torch.direct import calls as direct_calls
+    from hvdp.backends.torch.direct.allreduce import local_memory
 
     rank, size, found, rings = hvdp.rank(), hvdp.size(), {}, []
     local = local_memory()
     served = local.served if local is not None else 0
     if local is not None:
         local.on = shared  # off: as HVDP_SHARED_MEMORY=0
-    entry = torch_calls._RING.entry
-    torch_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)
+    entry = direct_calls._RING.entry
+    direct_calls._RING.entry = lambda *args: rings.append(args[2]) or entry(*args)
     try:
         for salt, (dtype, rows) in enumerate(sizes, 100):
             want = np.sum([drawn(r, rows, dtype, salt).astype(np.float64) for r in range(size)], axis=0)
@@ -108,7 +108,7 @@ def ring_cases(sizes: Any, shared: bool) -> Dict[str, Any]:
                 error = float(np.abs(got.numpy().astype(np.float64) - want).max() / max(1.0, np.abs(want).max()))
                 found[f"{form} {dtype}"] = {"error": error, "input_kept": input_kept}
     finally:
-        torch_calls._RING.entry = entry
+        direct_calls._RING.entry = entry
         if local is not None:
             local.on = True
     found["ring calls"] = len(rings)

@@ -4,6 +4,9 @@ Horovod's Keras layer (``horovod.tensorflow.keras``) is not used: with Keras 3
 it runs but does not average gradients. Keras 3 optimizers are wrapped by
 :mod:`hvdp.keras`, with the reduction done by Horovod's TensorFlow ops, which
 work both eagerly and inside ``tf.function`` (``model.fit``).
+
+Its modules are named as torch's are (:mod:`hvdp.backends.torch`): :mod:`.direct` is TensorFlow's direct
+path, one module where torch's is a package, since the build's op runs the whole allreduce in the traced step.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import tensorflow as tf
 
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
-from hvdp.backends import tensorflow_direct
 from hvdp.backends.base import HorovodJob, reduction_plan
-from hvdp.backends.tensorflow_direct import direct_group
+from hvdp.backends.tensorflow import direct
+from hvdp.backends.tensorflow.direct import direct_group
 
 
 def _refuse_xla() -> None:
@@ -212,7 +215,7 @@ class Backend(HorovodJob):
 
     def join(self) -> int:
         if not self.joining:  # the end of the job: ranks still training on the direct path are named at once
-            tensorflow_direct.leave()
+            direct.leave()
         # Horovod registers HorovodJoin as stateless, so eager TensorFlow reuses the first call's
         # result: every later join returned at once, without waiting for the other ranks. Run in
         # a function of its own, it waits every time.

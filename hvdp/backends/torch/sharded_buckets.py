@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 import horovod.torch as hvd
 import torch
 
-from hvdp.backends.torch_gradients import complete, wake
+from hvdp.backends.torch.gradients import complete, wake
 
 #: Elements of the first bucket (the last layers' gradients, ready first): 1 MiB of float32.
 FIRST = 1 << 18

@@ -1,4 +1,4 @@
-"""The parts of a sharded Keras optimizer (:mod:`hvdp.backends.keras_sharded`): where this rank's
+"""The parts of a sharded Keras optimizer (:mod:`hvdp.backends.keras.sharded`): where this rank's
 elements lie (:class:`Layout`), the collectives that move them (:class:`Wire`), and the order of
 the whole state an unsharded optimizer would hold (:func:`unsharded_order`).
 

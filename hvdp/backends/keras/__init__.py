@@ -5,7 +5,8 @@ averaging gradients), so hvdp wraps Keras 3 optimizers itself: the optimizer's
 ``apply`` (which ``apply_gradients`` and ``model.fit`` both go through) reduces
 the gradients with the active backend's collectives before the update.
 The backends pass in how to reduce and broadcast; nothing here imports a
-framework at import time.
+framework at import time. ``shard_optimizer_state`` for Keras optimizers: :mod:`.sharded`, over
+:mod:`.parts` (where this rank's elements lie, the collectives that move them).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvdp._keras_jobs import is_distributed, is_keras_optimizer
-from hvdp.backends import keras_parts, keras_sharded
+from hvdp.backends.keras import parts, sharded
 
 ReduceFn = Callable[[List[Any]], List[Any]]
 BroadcastFn = Callable[[Any, int, str], Any]
@@ -53,7 +54,7 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
             f"This {cls.__name__} optimizer is already an hvdp.DistributedOptimizer; "
             "wrap the original optimizer once."
         )
-    keras_parts.accumulate(optimizer, backward_passes_per_step)
+    parts.accumulate(optimizer, backward_passes_per_step)
 
     loss_scaled = _is_loss_scale(optimizer)
     if loss_scaled and backward_passes_per_step > 1:
@@ -75,7 +76,7 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
                 # sees the same gradients and takes the same branch, as under tf.distribute.
                 grads = self._hvdp_reduce(list(grads))
             result = super().apply(grads, trainable_variables)
-            keras_parts.guard_update(self, variables)
+            parts.guard_update(self, variables)
             return result
 
         def _clip_gradients(self, grads: List[Any]) -> List[Any]:
@@ -94,9 +95,9 @@ def wrap_optimizer(optimizer: Any, reduce_gradients: ReduceFn, backward_passes_p
 
 def shard_optimizer(optimizer: Any, op: str, prescale: float, postscale: float, compression: str,
                     process_set: Any, backward_passes_per_step: int) -> Any:
-    """``optimizer`` with its state sharded over Horovod's ``process_set`` (:mod:`hvdp.backends.keras_sharded`)."""
-    wire = keras_sharded.Wire(op, compression, prescale, postscale, process_set, f"hvdp.zero.keras.{next(_SHARDED)}")
-    return keras_sharded.shard(optimizer, wire, backward_passes_per_step)
+    """``optimizer`` with its state sharded over Horovod's ``process_set`` (:mod:`hvdp.backends.keras.sharded`)."""
+    wire = sharded.Wire(op, compression, prescale, postscale, process_set, f"hvdp.zero.keras.{next(_SHARDED)}")
+    return sharded.shard(optimizer, wire, backward_passes_per_step)
 
 
 def _is_loss_scale(optimizer: Any) -> bool:
@@ -132,13 +133,13 @@ def broadcast_state(model: Any, optimizer: Any, root_rank: int, broadcast: Broad
             )
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-    sharded = isinstance(optimizer, keras_sharded.ShardedKeras)
+    is_sharded = isinstance(optimizer, sharded.ShardedKeras)
     if optimizer is not None:  # sharded: its own variables only, each rank's slots being its part of one state
-        variables += optimizer._hvdp_own() if sharded else list(optimizer.variables)
+        variables += optimizer._hvdp_own() if is_sharded else list(optimizer.variables)
     for index, variable in enumerate(variables):
         variable.assign(broadcast(variable.value, root_rank, f"hvdp.state.{index}"))
-    if sharded:
-        keras_sharded.broadcast_loaded(optimizer, root_rank, broadcast)
+    if is_sharded:
+        sharded.broadcast_loaded(optimizer, root_rank, broadcast)
 
 
 def named_parameters(model: Any, to_numpy: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
@@ -154,7 +155,7 @@ def export_state(model: Any, optimizer: Any, to_numpy: Callable[[Any], Any]) -> 
         return arrays, None
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
-    if isinstance(optimizer, keras_sharded.ShardedKeras):  # gathered from every rank's part: a collective
+    if isinstance(optimizer, sharded.ShardedKeras):  # gathered from every rank's part: a collective
         return arrays, optimizer._hvdp_export(to_numpy)
     return arrays, [to_numpy(v.value) for v in optimizer.variables]
 
@@ -167,7 +168,7 @@ def import_state(model: Any, optimizer: Any, arrays: Dict[str, Any], optimizer_s
         return
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
-    if isinstance(optimizer, keras_sharded.ShardedKeras):
+    if isinstance(optimizer, sharded.ShardedKeras):
         if optimizer._hvdp_relayout() and is_keras_model(model):  # the workers changed: fit compiles anew
             model.train_function = None
         optimizer._hvdp_import(optimizer_state)  # this rank's part of the whole state

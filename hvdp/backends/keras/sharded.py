@@ -13,7 +13,7 @@ unsharded update; what reads a whole variable (``clipnorm``, ``global_clipnorm``
 weight-decay exclusions) is computed per model variable, across the ranks.
 
 The whole state (``_hvdp_export``, for checkpoints) is in the unsharded optimizer's order
-(:func:`hvdp.backends.keras_parts.unsharded_order`). Nothing here imports a framework at
+(:func:`hvdp.backends.keras.parts.unsharded_order`). Nothing here imports a framework at
 import time; the collectives are Horovod's for the Keras backend's framework.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hvdp.backends.keras_parts import Layout, Tag, Wire, accumulate, guard_update, unsharded_order
+from hvdp.backends.keras.parts import Layout, Tag, Wire, accumulate, guard_update, unsharded_order
 
 #: Keras's optimizers whose update of an element reads that element's gradient and state only.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl")

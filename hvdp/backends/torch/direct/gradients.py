@@ -7,7 +7,7 @@ says what is known already. This path skips it:
 
 1. **Learning.** The first step runs on Horovod's path while each rank records the order
    in which its gradients became ready. From that order each rank cuts fixed buckets
-   (:func:`hvdp.backends.torch_direct_buckets.cut`: a gradient of ``IN_PLACE`` elements or
+   (:func:`hvdp.backends.torch.direct.buckets.cut`: a gradient of ``IN_PLACE`` elements or
    more, 1 MiB of float32, alone, reduced in its own ``.grad``; the others gathered, the first
    bucket about 1 MiB, the next about 16 MiB), and the ranks compare their plans once, through
    Horovod (an allgather of the plan's digest). Equal plans everywhere switch every rank to
@@ -15,28 +15,28 @@ says what is known already. This path skips it:
    :data:`TRIES` times).
 2. **Direct steps.** A full bucket (a large gradient, or a gathered bucket once its gradients are
    copied in), once all the buckets before it have gone, is handed to its lane's sender thread (two
-   for small gathered buckets, :data:`.torch_direct_buckets.TWO_LANES_BELOW`), which allreduces it
+   for small gathered buckets, :data:`.buckets.TWO_LANES_BELOW`), which allreduces it
    with ``horovod_hvdp_direct_allreduce`` (:data:`hvdp.horovod_build.patches.DIRECT_ALLREDUCE`) on
    Horovod's own Gloo context (a bucket of 512 KB or more, every rank on one machine: through shared
-   memory, :mod:`.torch_shm`), times the average's scale (every bucket but the last), while backward
+   memory, :mod:`.shm`), times the average's scale (every bucket but the last), while backward
    goes on. At the end of the backward pass the buckets not sent yet are sent, with zeros where a
    parameter got no gradient this pass (what Horovod's ``synchronize`` gives such a parameter), and
    the averages go into ``.grad``. Every rank sends every bucket, in the same order, with the same
    sizes, whatever its graph did. Meanwhile Horovod's background loop, with nothing to do, runs its
    rounds ``HVDP_QUIET_LOOP_MS`` (50) apart instead of every cycle
-   (:func:`hvdp.backends.torch_direct_calls.quiet_loop`).
+   (:func:`hvdp.backends.torch.direct.allreduce.quiet_loop`).
 3. **A changed graph.** The last bucket carries one more element: the number of parameters
    this rank missed this pass. Its sum is the same on every rank, so every rank sees a change
    on any rank at the same step; the step's result is still right (zeros for the missing
    gradients, as on Horovod's path), and the next step learns again on Horovod's path.
 
 A rank that stops sending (it stalled, or crashed) ends the others' wait after the stall
-timeout (:func:`hvdp.backends.torch_direct_calls.timeout_ms`) as a ``HorovodInternalError``
+timeout (:func:`hvdp.backends.torch.direct.allreduce.timeout_ms`) as a ``HorovodInternalError``
 naming the bucket, with the stall report hvdp run reads, never a silent hang; a rank that left
 its loop early serves the others' remaining steps with zeros (:func:`serve_until_finished`).
 ``HVDP_GRADIENT_PATH=horovod`` keeps Horovod's path throughout (to compare); the path taken
 is on ``optimizer.gradient_path``. The direct calls themselves, the small ``hvdp.allreduce``
-and Keras's gradients on the torch backend: :mod:`hvdp.backends.torch_direct_calls`.
+and Keras's gradients on the torch backend: :mod:`hvdp.backends.torch.direct.allreduce`.
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from hvdp.backends import torch_direct_buckets, torch_direct_calls
-from hvdp.backends.torch_direct_buckets import Bucket, cut
-from hvdp.backends.torch_direct_calls import (
+from hvdp.backends.torch.direct import allreduce, buckets
+from hvdp.backends.torch.direct.allreduce import (
     PATH_ENV,
     DirectAllreduce,
     agreed,
@@ -62,6 +61,7 @@ from hvdp.backends.torch_direct_calls import (
     timeout_ms,
     usable_for,
 )
+from hvdp.backends.torch.direct.buckets import Bucket, cut
 
 #: Learning steps whose plans differed between ranks before the direct path is given up.
 TRIES = 3
@@ -89,7 +89,7 @@ def relearn_all() -> None:
     that the workers that survived and those that joined take the direct path together."""
     for path in list(_PATHS):
         path.relearn()
-    for group in list(torch_direct_calls.GROUPS):
+    for group in list(allreduce.GROUPS):
         group.layout = group.tried = None
 
 
@@ -314,18 +314,18 @@ class DirectGradients:
         order = self.order + [p for p in self.params if p not in self.recorded]
         self.order, self.recorded = [], set()
         usable = usable_for(self.allreduce, order)
-        buckets = cut(order, torch_direct_buckets.IN_PLACE) if usable else []
+        cuts = cut(order, buckets.IN_PLACE) if usable else []
         text = repr([([(self.index[p], tuple(p.shape), str(p.dtype)) for p in ours], in_place)
-                     for ours, in_place in buckets])
+                     for ours, in_place in cuts])
         self.tries += 1
         if not agreed(text, usable, "hvdp.direct.plan"):
             if not usable or self.tries >= TRIES:
                 self.mode = "horovod"
             return
         dtype = order[0].dtype if order else torch.float32
-        self.buckets = [Bucket(ours, extra=2 if b == len(buckets) - 1 else 0, in_place=in_place, dtype=dtype)
-                        for b, (ours, in_place) in enumerate(buckets)]
-        torch_direct_buckets.give_lanes(self.buckets)
+        self.buckets = [Bucket(ours, extra=2 if b == len(cuts) - 1 else 0, in_place=in_place, dtype=dtype)
+                        for b, (ours, in_place) in enumerate(cuts)]
+        buckets.give_lanes(self.buckets)
         self.where = {p: (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.world, self.mode, self.tries = hvd.size(), "direct", 0
 

@@ -3,7 +3,7 @@
 ``whole_state`` gathers every rank's part of each state tensor (an allgather) and puts it in
 the buffer's order; ``part_state`` cuts this rank's part out of a whole state saved at any
 number of ranks, or by an unsharded optimizer. ``self`` is the optimizer's
-:class:`hvdp.backends.torch_sharded.Shards`.
+:class:`hvdp.backends.torch.sharded.Shards`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 import horovod.torch as hvd
 import torch
 
-from hvdp.backends.torch_gradients import complete
+from hvdp.backends.torch.gradients import complete
 
 
 def whole_state(self: Any, local: Dict[str, Any]) -> Dict[str, Any]:

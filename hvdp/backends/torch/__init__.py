@@ -1,8 +1,9 @@
-"""The PyTorch backend, over ``horovod.torch``.
+"""The PyTorch backend, over ``horovod.torch``: Horovod's DistributedOptimizer (C++17 build) for torch optimizers.
 
-Native torch optimizers are wrapped by Horovod's own DistributedOptimizer (it
-works on current PyTorch once Horovod is built as C++17); Keras 3 optimizers on
-the torch Keras backend are wrapped by :mod:`hvdp.keras` with torch collectives.
+Its modules, by concern: :mod:`.gradients` (Horovod's gradient path, averaged when backward() returns),
+:mod:`.direct` (the direct path; TensorFlow's has the same name), :mod:`.sharded` with :mod:`.sharded_buckets`,
+:mod:`.sharded_state` and :mod:`.amp` (ZeRO-1), and :mod:`.keras` (Keras 3 optimizers on the torch Keras
+backend, over the shared adapter :mod:`hvdp.backends.keras`).
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ import torch
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
-from hvdp.backends.torch_calls import agreeing, direct_call, leave
-from hvdp.backends.torch_direct import direct_gradients, serve_until_finished
-from hvdp.backends.torch_gradients import (
+from hvdp.backends.torch.direct.calls import agreeing, direct_call, leave
+from hvdp.backends.torch.direct.gradients import direct_gradients, serve_until_finished
+from hvdp.backends.torch.gradients import (
     broadcast_buffers_before_forward,
     complete,
     reduce_at_backward_end,
     sleeping_synchronize,
     sparse_gradients,
 )
-from hvdp.backends.torch_keras import keras_optimizer
-from hvdp.backends.torch_sharded import job_ranks, load_state_keeping_objects, shard, whole_for_broadcast
+from hvdp.backends.torch.keras import keras_optimizer
+from hvdp.backends.torch.sharded import job_ranks, load_state_keeping_objects, shard, whole_for_broadcast
 
 
 def _map_tensors(tree: Any, to_numpy: bool) -> Any:
@@ -125,7 +126,7 @@ class SyncBatchNorm(hvd.SyncBatchNorm):
     """
 
 
-@agreeing  # every whole-job collective starts with the header exchange (torch_calls)
+@agreeing  # every whole-job collective starts with the header exchange (direct.calls)
 class Backend(HorovodJob):
     """hvdp's contract (:class:`hvdp.backends.base.Backend`) on PyTorch."""
 

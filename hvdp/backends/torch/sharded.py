@@ -2,7 +2,7 @@
 
 ``hvdp.DistributedOptimizer(opt, model, shard_optimizer_state=True)``. Each param group's
 parameters and gradients become views of two flat buffers (autograd accumulates into the
-gradient views), cut into buckets (:mod:`hvdp.backends.torch_buckets`). Rank r of n owns
+gradient views), cut into buckets (:mod:`hvdp.backends.torch.sharded_buckets`). Rank r of n owns
 the elements :func:`bounds` gives of each bucket, the part reducescatter hands it. Backward
 reduce-scatters each bucket as its gradients are ready; ``step()`` waits for them, steps the
 user's optimizer on views of this rank's part (in chunks: its state is 1/n of the model's),
@@ -21,11 +21,11 @@ import horovod.torch as hvd
 import torch
 
 from hvdp import profiler
-from hvdp.backends import torch_sharded_state
 from hvdp.backends.base import bounds
-from hvdp.backends.torch_amp import agree_on_overflow
-from hvdp.backends.torch_buckets import Bucket, Reducer, on_the_wire, plan, send_bucket
-from hvdp.backends.torch_gradients import complete
+from hvdp.backends.torch import sharded_state
+from hvdp.backends.torch.amp import agree_on_overflow
+from hvdp.backends.torch.gradients import complete
+from hvdp.backends.torch.sharded_buckets import Bucket, Reducer, on_the_wire, plan, send_bucket
 
 #: Elements per chunk of a rank's part (1 MiB of float32): each chunk is one parameter of the optimizer.
 CHUNK = 1 << 18
@@ -235,8 +235,8 @@ class Shards:
         if handles:
             complete(*handles)
 
-    whole_state = torch_sharded_state.whole_state
-    part_state = torch_sharded_state.part_state
+    whole_state = sharded_state.whole_state
+    part_state = sharded_state.part_state
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers; every ``.grad`` stays their view (``set_to_none`` would undo the views)."""

@@ -1,5 +1,5 @@
 """``hvdp.allreduce`` of whole-job CPU tensors in a Gloo job, by direct calls on Horovod's own Gloo context
-(:mod:`.torch_direct_calls`), without a round of Horovod's background loop.
+(:mod:`.allreduce`), without a round of Horovod's background loop.
 
 - Up to :data:`CALL_MAX_BYTES`: one direct exchange (:class:`DirectExchange`). Every rank gets every
   rank's tensor and a header (name, dtype, shape, op), checks that they all agree, and sums them in
@@ -12,7 +12,7 @@
 Both apply to sums and averages (floating point for an average) of tensors that need no gradient.
 
 **Every call agrees first.** In a Gloo job of 2 to :data:`CALL_MAX_RANKS` processes with
-:data:`~.torch_direct_calls.PATH_ENV` not ``horovod``, every whole-job collective outside ``hvdp.join``
+:data:`~.allreduce.PATH_ENV` not ``horovod``, every whole-job collective outside ``hvdp.join``
 (allreduce, allgather, broadcast, reducescatter, alltoall, grouped calls, the object collectives, barrier,
 ``broadcast_state``) starts with one header exchange: the call's kind, op, dtype, shape, root and name, and
 whether this rank could take the direct path. The path is chosen from the agreed headers (direct where every
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from hvdp.backends.torch_direct_calls import (
+from hvdp.backends.torch.direct.allreduce import (
     DirectAllreduce,
     chosen_path,
     exchange_entry,

@@ -1,4 +1,4 @@
-"""The direct gradient path's buckets (:mod:`hvdp.backends.torch_direct`): how a learnt order of gradients is
+"""The direct gradient path's buckets (:mod:`hvdp.backends.torch.direct.gradients`): how a learnt order of gradients is
 cut (:func:`cut`), and one bucket's places and buffer (:class:`Bucket`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from hvdp.backends import torch_buckets
+from hvdp.backends.torch import sharded_buckets
 
 #: Elements from which a gradient is allreduced in place, in its own ``.grad`` (1 MiB of float32): no copy
 #: into a bucket and back, at the cost of one call of its own. Read when the plan is made (a test may lower it).
@@ -72,12 +72,12 @@ def give_lanes(buckets: List[Bucket]) -> None:
 def cut(order: List[torch.nn.Parameter], big: int) -> List[Tuple[List[torch.nn.Parameter], bool]]:
     """The buckets, in the order they fill when gradients come in ``order``: each parameter of ``big`` elements
     or more alone (in place), the others gathered per dtype (the first bucket of a dtype about
-    :data:`torch_buckets.FIRST` elements, the next about :data:`torch_buckets.BUCKET`). The last bucket is
-    always a gathered one (it carries the pass's counts; :meth:`hvdp.backends.torch_direct.DirectGradients.finish`)."""
+    :data:`sharded_buckets.FIRST` elements, the next about :data:`sharded_buckets.BUCKET`). The last bucket is
+    always a gathered one (it carries the pass's counts; :meth:`.gradients.DirectGradients.finish`)."""
     buckets: List[Tuple[List[torch.nn.Parameter], bool]] = []
     gathering: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
     size: Dict[torch.dtype, int] = {}  # elements gathered so far, per dtype
-    cap = {dtype: torch_buckets.FIRST for dtype in (torch.float32, torch.float64)}
+    cap = {dtype: sharded_buckets.FIRST for dtype in (torch.float32, torch.float64)}
     for p in order:
         if p.numel() >= big:
             buckets.append(([p], True))
@@ -86,7 +86,7 @@ def cut(order: List[torch.nn.Parameter], big: int) -> List[Tuple[List[torch.nn.P
         size[p.dtype] = size.get(p.dtype, 0) + p.numel()
         if size[p.dtype] >= cap[p.dtype]:
             buckets.append((gathering.pop(p.dtype), False))
-            size[p.dtype], cap[p.dtype] = 0, torch_buckets.BUCKET
+            size[p.dtype], cap[p.dtype] = 0, sharded_buckets.BUCKET
     buckets.extend((ours, False) for ours in gathering.values())
     if not buckets or buckets[-1][1]:
         buckets.append(([], False))  # the counts alone

@@ -5,9 +5,9 @@ sum-allreduce in place or from an input into an output (``horovod_hvdp_direct_al
 exchange of every rank's message with every rank (``horovod_hvdp_direct_exchange``), each call on a
 Gloo tag of its own. Here: their Python
 side on torch, with the stall report (:func:`report_stall`; the stall timeout, the switch and the quiet loop are
-every framework's: :mod:`.direct`), the sender thread of torch's gradient path (:mod:`.torch_direct`), and a
+every framework's: :mod:`hvdp.backends.direct`), the sender thread of torch's gradient path (:mod:`.gradients`), and a
 Keras optimizer's gradients on the torch backend reduced together (:class:`DirectGroup`). ``hvdp.allreduce``'s direct
-forms: :mod:`.torch_calls`.
+forms: :mod:`.calls`.
 """
 
 from __future__ import annotations
@@ -23,17 +23,18 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from hvdp.backends import direct, torch_shm
+from hvdp.backends import direct
 from hvdp.backends.direct import PATH_ENV, chosen_path, timeout_ms
 from hvdp.backends.direct import QUIET_MS as QUIET_MS  # the torch side's names, as before
 from hvdp.backends.direct import is_quiet as is_quiet
 from hvdp.backends.direct import quiet_ms_from as quiet_ms_from
-from hvdp.backends.torch_shm import SharedMemory
+from hvdp.backends.torch.direct import shm
+from hvdp.backends.torch.direct.shm import SharedMemory
 
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
 #: The direct allreduce's channels for a torch optimizer's gradients, one per sender thread (:func:`sender`;
 #: each a Gloo tag of its own): two small buckets in a row go by lanes 0 and 1, both on the wire at once
-#: (:data:`hvdp.backends.torch_direct_buckets.TWO_LANES_BELOW`).
+#: (:data:`hvdp.backends.torch.direct.buckets.TWO_LANES_BELOW`).
 GRADIENT_CHANNELS = (1, 5)
 #: The direct allreduce's channel for a Keras optimizer's gradients (:class:`DirectGroup`).
 GROUP_CHANNEL = 3
@@ -59,7 +60,7 @@ _LOCAL: List[Optional[SharedMemory]] = []
 
 
 def local_memory() -> Optional[SharedMemory]:
-    """The process's shared-memory allreduce (:mod:`.torch_shm`), or None in a build without the exchange."""
+    """The process's shared-memory allreduce (:mod:`.shm`), or None in a build without the exchange."""
     if not _LOCAL:
         exchange = exchange_entry()
         _LOCAL.append(None if exchange is None or not hvd.gloo_enabled() else SharedMemory(exchange, timeout_ms))
@@ -73,7 +74,7 @@ class DirectAllreduce:
     def __init__(self, local: bool = False, buckets: bool = False) -> None:
         self.entry = entry("horovod_hvdp_direct_allreduce_from", ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
                            ctypes.c_int)
-        self.local = local  # through shared memory where every rank is on this machine (:mod:`.torch_shm`)
+        self.local = local  # through shared memory where every rank is on this machine (:mod:`.shm`)
         self.buckets = buckets  # from a gradient bucket's threshold there, instead of a call's
 
     def usable(self) -> bool:
@@ -86,7 +87,7 @@ class DirectAllreduce:
         ring a pass of its own, by the calling thread (a sender's, while backward goes on)."""
         assert self.entry is not None, "usable() is checked before any call"
         local = local_memory() if self.local else None
-        least = torch_shm.BUCKET_MIN_BYTES if self.buckets else torch_shm.SHM_MIN_BYTES
+        least = shm.BUCKET_MIN_BYTES if self.buckets else shm.SHM_MIN_BYTES
         if local is not None and local.serves(tensor, least):
             local(tensor, channel, into, lambda: self.ring(tensor, channel, into, scale), scale)
         else:
@@ -193,7 +194,7 @@ def scale_if_direct(plan: Tuple[str, float, float], compression: str, groups: An
     return lambda: 1.0 / hvd.size() if op == "average" else prescale * postscale
 
 
-#: Every live DirectGroup (an elastic reset makes each learn again: hvdp.backends.torch_direct.relearn_all).
+#: Every live DirectGroup (an elastic reset makes each learn again: hvdp.backends.torch.direct.gradients.relearn_all).
 GROUPS: "weakref.WeakSet[DirectGroup]" = weakref.WeakSet()
 
 

@@ -2,7 +2,7 @@
 
 One update's gradients go as Horovod grouped allreduces (``groups`` of them), or, once the ranks
 agree on their layout, as one direct Gloo allreduce per dtype
-(:class:`hvdp.backends.torch_direct_calls.DirectGroup`); Adasum reduces each gradient alone.
+(:class:`hvdp.backends.torch.direct.allreduce.DirectGroup`); Adasum reduces each gradient alone.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import horovod.torch as hvd
 
 from hvdp import profiler
 from hvdp.backends import keras as keras_adapter
-from hvdp.backends.torch_direct_calls import direct_group
+from hvdp.backends.torch.direct.allreduce import direct_group
 
 
 def keras_optimizer(optimizer: Any, plan: Tuple[str, float, float], horovod_op: Any, compression: str,

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import horovod.torch as hvd
 import torch
 
-from hvdp.backends.torch_direct_calls import quiet_loop
+from hvdp.backends.torch.direct.allreduce import quiet_loop
 
 #: Longest sleep between two polls of an unfinished collective (seconds).
 _POLL_MAX_SLEEP = 0.0005
@@ -113,7 +113,7 @@ def reduce_at_backward_end(optimizer: Any, direct: Any = None) -> Any:
       pass after it reduces the sum (DDP's ``no_sync``).
 
     A one-process job (Horovod registers no hooks) is left as it is, with a ``no_sync``
-    that does nothing. ``direct`` (a :class:`hvdp.backends.torch_direct.DirectGradients`)
+    that does nothing. ``direct`` (a :class:`hvdp.backends.torch.direct.gradients.DirectGradients`)
     gets its gradient hooks here, told which passes reduce.
     """
     state = _Passes()

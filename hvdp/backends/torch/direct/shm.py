@@ -4,8 +4,8 @@ Where every rank of a Gloo job runs on one machine (``hvd.local_size() == hvd.si
 still sends every byte through the kernel's TCP loopback: each byte is copied into the kernel and out
 again, on the same cores the model's compute runs on. Here each rank has, per channel, one file in
 ``/dev/shm`` mapped by every rank: a place for its tensor and one for its segment of the result.
-``hvdp.allreduce``'s large calls (:mod:`.torch_calls`) and torch's gradient buckets
-(:mod:`.torch_direct`, from their sender thread) take it, from :data:`SHM_MIN_BYTES` and
+``hvdp.allreduce``'s large calls (:mod:`.calls`) and torch's gradient buckets
+(:mod:`.gradients`, from their sender thread) take it, from :data:`SHM_MIN_BYTES` and
 :data:`BUCKET_MIN_BYTES`. Smaller ones keep Gloo's ring, one C call without the GIL.
 
 1. Each rank copies its tensor into its place, all but its own segment (only the other ranks read a
@@ -89,7 +89,7 @@ class _Channel:
 
 class SharedMemory:
     """The shared-memory allreduce of one process, for every channel (module docstring). ``exchange`` is the
-    build's ``horovod_hvdp_direct_exchange`` (from :func:`hvdp.backends.torch_direct_calls.entry`)."""
+    build's ``horovod_hvdp_direct_exchange`` (from :func:`hvdp.backends.torch.direct.allreduce.entry`)."""
 
     def __init__(self, exchange: Any, timeout_ms: Callable[[], int]) -> None:
         self.exchange_entry, self.timeout_ms = exchange, timeout_ms
