@@ -2,8 +2,8 @@
 
 * comm_subset.py: under plain `mpirun -np 4` (and `hvdp run -np 4 --mpi`), ranks 0-1 train
   with hvdp.init(comm=...) while ranks 2-3, which never start hvdp, run mpi4py collectives.
-* process_sets.py: sets [0, 1] and [2, 3] train two models at once (registered at init under
-  mpirun and `hvdp run` (Gloo), or added while running under `hvdp run`); then, in the
+* process_sets.py: sets [0, 1] and [2, 3] train two models at once (registered at init, or added
+  while running; each way under plain mpirun and under `hvdp run` (Gloo)); then, in the
   same job, each set of three partitions of the 4 ranks trains like one process on its members' data.
 * examples/ensemble.py: each set's first member prints its model's accuracy.
 """
@@ -92,9 +92,13 @@ def test_a_comm_that_does_not_fit_is_refused_with_the_fix(subset):
 
 # --- process sets: several models in one job -------------------------------------------------
 
-#: One job per (framework, registration, launcher), the sets' checks and the partitions' in each.
-SET_JOBS = [("torch", "static", "mpirun"), ("tensorflow", "static", "mpirun"), ("torch", "static", "hvdp-run-gloo"),
-            ("torch", "dynamic", "hvdp-run-gloo"), ("tensorflow", "dynamic", "hvdp-run-gloo")]
+#: One job per (framework, registration, launcher), the sets' checks and the partitions' in each. Four jobs
+#: hold every pair of the three: each framework registers its sets both ways (its own add_process_set when
+#: dynamic) and runs under both controllers (Gloo's contexts per set under `hvdp run`, MPI's communicators
+#: under plain mpirun), and each registration runs under both. torch's jobs add the sharded Adam per
+#: partition and the BatchNorm buffers.
+SET_JOBS = [("torch", "static", "mpirun"), ("tensorflow", "static", "hvdp-run-gloo"),
+            ("torch", "dynamic", "hvdp-run-gloo"), ("tensorflow", "dynamic", "mpirun")]
 
 
 @pytest.fixture(scope="module", params=SET_JOBS, ids=["-".join(p) for p in SET_JOBS])
