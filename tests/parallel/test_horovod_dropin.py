@@ -12,12 +12,14 @@ import pytest
 from harness import WORKERS, max_abs_diff, run_job, run_worker
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
+#: The Keras and the TensorFlow scripts call the same ops of hvdp's Horovod build (horovod.tensorflow's), which
+#: take the controller from the job: one script under each controller runs TensorFlow's ops under both.
+@pytest.fixture(scope="module", params=["gloo"])
 def keras_job(request, tmp_path_factory):
     return run_worker("dropin_keras.py", request.param, "tensorflow", tmp_path_factory.mktemp("keras"))
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
+@pytest.fixture(scope="module", params=["mpi"])
 def tf_job(request, tmp_path_factory):
     return run_worker("dropin_tf.py", request.param, "tensorflow", tmp_path_factory.mktemp("tf"))
 
