@@ -29,7 +29,7 @@ def _help(name: str, add_arguments) -> str:
 @pytest.mark.parametrize("name, add_arguments, says, takes", [
     ("build", build_command.add_arguments, "Build Horovod 0.28.1 from its PyPI source", "about 4-5 min on 2 cores"),
     ("doctor", doctor.add_arguments, "Show the versions", "a few seconds"),
-    ("bench", bench.add_arguments, "Measure hvdp side by side", "about 35 min (the full run)"),
+    ("bench", bench.add_arguments, "Measure hvdp side by side", "about 40 min (--quick)"),
     ("report", report.add_arguments, "Read the per-rank records", "Takes a second"),
 ])
 def test_each_help_says_what_it_does_how_long_and_shows_examples(name, add_arguments, says, takes):
