@@ -95,8 +95,8 @@ with its range over at least 3 rounds, the contenders shuffled in each round.
 Takes hours (the full run) or about 40 min (--quick) on 2 cores."""
 #: What ``hvdp bench --help`` says below the options.
 EPILOG = """examples:
-  hvdp bench --quick --results quick.json          every kind of comparison, 3 rounds, every sample kept
-  hvdp bench --smoke --results smoke.json          every kind of contender, 2 steps: does it run (CI)
+  hvdp bench --quick --results quick.json          each comparison, 3 rounds, every sample kept
+  hvdp bench --smoke --results smoke.json          each contender, 2 steps: does it run (CI)
   hvdp bench --only allreduce --json ar.json       one section, every figure written to ar.json
   hvdp bench --only breakdown --breakdown 4K,64M   an allreduce call's time, by phase
   hvdp bench --only sharded                        sharded Adam: time, memory per rank
