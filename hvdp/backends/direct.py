@@ -1,8 +1,8 @@
 """What every framework's direct path shares, without importing a framework: the switch between the direct
 path and Horovod's (:data:`PATH_ENV`), how long a direct call waits (:func:`timeout_ms`) and its stall report
-(:func:`report_stall`), the build's C entries
-(:func:`entry`) and the quiet loop (:func:`quiet_loop`). torch's direct path: :mod:`.torch.direct.allreduce`;
-TensorFlow's: :mod:`.tensorflow.direct`.
+(:func:`report_stall`) on a timeout (:func:`timed_out`), every framework's Gloo channels (:data:`CHANNELS`),
+the build's C entries (:func:`entry`) and the quiet loop (:func:`quiet_loop`). torch's direct path:
+:mod:`.torch.direct` (a package); TensorFlow's: :mod:`.tensorflow.direct` (one module).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Union
 
 #: The environment variable that picks the gradient path: ``direct`` (the default) or ``horovod``.
 PATH_ENV = "HVDP_GRADIENT_PATH"
@@ -28,6 +28,18 @@ def chosen_path() -> str:
 #: The stall timeout when none is set (hvdp run's default, ``--stall-timeout``): how long a direct call waits.
 DEFAULT_TIMEOUT_S = 300
 
+#: Every direct call's Gloo channel, both frameworks' in one table: each is a Gloo tag of its own, so two
+#: calls that can be on the wire at once never share one. The modules take theirs from here by name.
+CHANNELS: Dict[str, int] = {
+    "torch gradient lane 0": 1,  # torch's gradient buckets, one sender thread per lane (torch.direct.allreduce)
+    "torch call exchange": 2,  # hvdp.allreduce's small calls and every call's header (torch.direct.calls)
+    "torch keras group": 3,  # a Keras optimizer's gradients on torch (torch.direct.allreduce.DirectGroup)
+    "torch large call": 4,  # hvdp.allreduce's larger calls by Gloo's ring (torch.direct.calls)
+    "torch gradient lane 1": 5,
+    "tensorflow gradients": 6,  # the HvdpDirectAllreduce op (tensorflow.direct)
+    "tensorflow layout": 7,  # the layout exchange before it (tensorflow.direct)
+}
+
 
 def timeout_ms() -> int:
     """How long a direct call waits for the other ranks: the job's stall timeout (hvdp run sets
@@ -41,6 +53,17 @@ def timeout_ms() -> int:
     except ValueError:
         seconds = 0
     return 1000 * (seconds if seconds > 0 else DEFAULT_TIMEOUT_S)
+
+
+def timed_out(error: Union[str, bytes, BaseException]) -> bool:
+    """Whether a direct call's ``error`` (its text, or the exception) says it waited past :func:`timeout_ms`:
+    Gloo's "Timed out ..." or "... timeout ...", the same test as the TensorFlow op's in the build.
+
+    >>> timed_out("Timed out waiting 300000ms for recv operation to complete"), timed_out(b"Connection reset")
+    (True, False)
+    """
+    text = error.decode(errors="replace") if isinstance(error, bytes) else str(error)
+    return "imed out" in text or "timeout" in text
 
 
 def report_stall(what: str, waited_ms: int, rank: int, size: int) -> None:

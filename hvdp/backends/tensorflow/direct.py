@@ -29,10 +29,11 @@ import numpy as np
 import tensorflow as tf
 
 from hvdp.backends import direct
+from hvdp.backends.direct import CHANNELS
 from hvdp.errors import TrainingMismatchError
 
 #: The direct allreduce's channel for TensorFlow's gradients (a Gloo tag of its own), and the layout exchange's.
-GRADIENT_CHANNEL, AGREE_CHANNEL = 6, 7
+GRADIENT_CHANNEL, AGREE_CHANNEL = CHANNELS["tensorflow gradients"], CHANNELS["tensorflow layout"]
 _USABLE = (tf.float32, tf.float64)
 
 
@@ -117,7 +118,7 @@ def compared(text: str, usable: bool, finished: bool = False) -> Tuple[bool, boo
     code = exchange(inbox.ctypes.data, 24, 24, AGREE_CHANNEL, waited, error, len(error))
     if code != 0:
         why = error.value.decode(errors="replace") or "not a Gloo job"
-        if "imed out" in why or "timeout" in why:
+        if direct.timed_out(why):
             direct.report_stall("hvdp.direct.tf_layout", waited, rank, size)
         raise RuntimeError(f"Horovod (hvdp's direct path) could not compare the gradients between ranks: {why}. "
                            f"Another rank stopped (see its output); {direct.PATH_ENV}=horovod runs Horovod's path "

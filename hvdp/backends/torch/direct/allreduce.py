@@ -24,7 +24,7 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 
 from hvdp.backends import direct
-from hvdp.backends.direct import PATH_ENV, chosen_path, timeout_ms
+from hvdp.backends.direct import CHANNELS, PATH_ENV, chosen_path, timed_out, timeout_ms
 from hvdp.backends.direct import QUIET_MS as QUIET_MS  # the torch side's names, as before
 from hvdp.backends.direct import is_quiet as is_quiet
 from hvdp.backends.direct import quiet_ms_from as quiet_ms_from
@@ -35,9 +35,9 @@ _DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
 #: The direct allreduce's channels for a torch optimizer's gradients, one per sender thread (:func:`sender`;
 #: each a Gloo tag of its own): two small buckets in a row go by lanes 0 and 1, both on the wire at once
 #: (:data:`hvdp.backends.torch.direct.buckets.TWO_LANES_BELOW`).
-GRADIENT_CHANNELS = (1, 5)
+GRADIENT_CHANNELS = (CHANNELS["torch gradient lane 0"], CHANNELS["torch gradient lane 1"])
 #: The direct allreduce's channel for a Keras optimizer's gradients (:class:`DirectGroup`).
-GROUP_CHANNEL = 3
+GROUP_CHANNEL = CHANNELS["torch keras group"]
 
 
 def report_stall(what: str, waited_ms: int) -> None:
@@ -254,7 +254,7 @@ class DirectGroup:
             try:
                 self.allreduce(flat, GROUP_CHANNEL, scale=scale)
             except HorovodInternalError as error:
-                if "imed out" in str(error):
+                if timed_out(error):
                     report_stall(f"hvdp.direct.keras_gradients.{dtype}", timeout_ms())
                 raise HorovodInternalError(
                     f"hvdp's direct gradient allreduce ({dtype}, {flat.numel()} elements) failed: {error}. Another "

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
+from hvdp.backends.direct import CHANNELS, timed_out
 from hvdp.backends.torch.direct.allreduce import (
     DirectAllreduce,
     chosen_path,
@@ -48,9 +49,9 @@ from hvdp.backends.torch.direct.allreduce import (
 from hvdp.errors import TensorMismatchError, TrainingMismatchError
 
 #: The direct exchange's channel for ``hvdp.allreduce`` calls (the caller's thread).
-CALL_CHANNEL = 2
+CALL_CHANNEL = CHANNELS["torch call exchange"]
 #: The direct allreduce's channel for the larger ``hvdp.allreduce`` calls (the caller's thread).
-LARGE_CHANNEL = 4
+LARGE_CHANNEL = CHANNELS["torch large call"]
 #: The largest tensor ``hvdp.allreduce`` reduces by one direct exchange (bytes); larger ones take the ring.
 CALL_MAX_BYTES = 256 << 10
 #: The most processes a direct exchange serves (each rank sends its message to every other one).
@@ -114,7 +115,7 @@ class DirectExchange:
             self.places[rank, _HEADER:_HEADER + nbytes].view(payload.dtype)[:] = payload
         code = self.entry(self.inbox.data_ptr(), self.capacity, _HEADER + nbytes, CALL_CHANNEL, timeout_ms(),
                           self.error, len(self.error))
-        if code == 1 and b"imed out" in self.error.value:  # the stall report names the call's tensor
+        if code == 1 and timed_out(self.error.value):  # the stall report names the call's tensor
             report_stall(text.partition(" | ")[0].rpartition(" named ")[2] or "unnamed", timeout_ms())
         if code != 0:
             raise HorovodInternalError(self.error.value.decode(errors="replace") if code == 1 else
@@ -305,7 +306,7 @@ def direct_call(tensor: torch.Tensor, op: str, name: Optional[str], whole_job: b
         try:
             _RING(source, LARGE_CHANNEL, into=target)
         except HorovodInternalError as error:
-            if "imed out" in str(error):
+            if timed_out(error):
                 report_stall(f"{name or 'unnamed'}", timeout_ms())
             raise
     if op == "average":

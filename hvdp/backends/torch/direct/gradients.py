@@ -49,6 +49,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
+from hvdp.backends.direct import timed_out
 from hvdp.backends.torch.direct import allreduce, buckets
 from hvdp.backends.torch.direct.allreduce import (
     PATH_ENV,
@@ -271,7 +272,7 @@ class DirectGradients:
         for b, bucket in enumerate(self.buckets):
             if bucket.errors:
                 self.relearn()  # an elastic job goes on from its last commit: on Horovod's path first
-                if "Timed out" in bucket.errors[0] or "timed out" in bucket.errors[0]:
+                if timed_out(bucket.errors[0]):
                     report_stall(f"hvdp.direct.{what}.bucket{b + 1}of{len(self.buckets)}", timeout_ms())
                 raise HorovodInternalError(
                     f"hvdp's direct gradient allreduce of bucket {b + 1} of {len(self.buckets)} failed: "
