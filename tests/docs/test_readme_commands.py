@@ -92,9 +92,9 @@ NOT_RUN: Dict[str, str] = {
     "kubectl delete mpijob hvdp-digits": _NO_K8S,
     "sbatch --nodes=4 --ntasks-per-node=2 docker/slurm/hvdp.sbatch --mpi":
         "needs 4 nodes of 2 CPUs; the test cluster (tests/cluster/test_slurm.py) has 2 nodes of 1",
-    "hvdp bench --quick": "2 rounds of every comparison take 4-9 min; make test runs its plan at the smoke size",
-    "hvdp bench --json bench.json --plot bench.png": "the full benchmark takes about 25 min",
-    "hvdp bench --only native,scaling --rounds 5": "5 rounds of two sections take about 15 min",
+    "hvdp bench --quick": "3 rounds of every comparison take about 40 min; make test runs the smoke plan",
+    "hvdp bench --json bench.json --plot bench.png": "the full benchmark takes hours (3 rounds of 100 steps)",
+    "hvdp bench --only native,scaling --rounds 5": "5 rounds of two sections take over an hour",
     "python examples/ray_digits.py --framework torch":
         "starts a Ray cluster of its own; tests/parallel/test_ray.py runs the script on the module's cluster",
     "python examples/ray_digits.py --framework tensorflow --address HEAD:6379":
