@@ -1,16 +1,20 @@
 """What every framework's direct path shares, without importing a framework: the switch between the direct
-path and Horovod's (:data:`PATH_ENV`), how long a direct call waits (:func:`timeout_ms`) and its stall report
-(:func:`report_stall`) on a timeout (:func:`timed_out`), every framework's Gloo channels (:data:`CHANNELS`),
-the build's C entries (:func:`entry`) and the quiet loop (:func:`quiet_loop`). torch's direct path:
-:mod:`.torch.direct` (a package); TensorFlow's: :mod:`.tensorflow.direct` (one module).
+path and Horovod's (:data:`PATH_ENV`), how long a direct call waits (:func:`timeout_ms`), its one error on a
+failure (:func:`failure`: a ``DirectStallError`` with the stall report, :func:`report_stall`, when it timed
+out, :func:`timed_out`), every framework's Gloo channels (:data:`CHANNELS`), the build's C entries
+(:func:`entry`) and the quiet loop (:func:`quiet_loop`). torch's direct path: :mod:`.torch.direct` (a package);
+TensorFlow's: :mod:`.tensorflow.direct` (one module).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from typing import Any, Dict, Optional, Union
+
+from hvdp.errors import StallError
 
 #: The environment variable that picks the gradient path: ``direct`` (the default) or ``horovod``.
 PATH_ENV = "HVDP_GRADIENT_PATH"
@@ -66,6 +70,36 @@ def timed_out(error: Union[str, bytes, BaseException]) -> bool:
     return "imed out" in text or "timeout" in text
 
 
+@functools.lru_cache(maxsize=None)
+def stall_error() -> type:
+    """``DirectStallError``, the one error of a direct call that timed out (:func:`failure`): an
+    :class:`hvdp.errors.StallError` that Horovod's elastic loop treats as its own failure
+    (``HorovodInternalError``). Made on first use, so that this module imports no Horovod (the tools import it)."""
+    from horovod.common.exceptions import HorovodInternalError
+
+    return type("DirectStallError", (StallError, HorovodInternalError), {"__module__": __name__, "__doc__": (
+        "A direct call waited past the stall timeout (hvdp.StallError, and Horovod's HorovodInternalError).")})
+
+
+def __getattr__(name: str) -> Any:
+    """``direct.DirectStallError`` (:func:`stall_error`), importable by name once Horovod is wanted."""
+    if name == "DirectStallError":
+        return stall_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def failure(error: Union[str, bytes, BaseException], message: str, what: str, rank: int, size: int) -> Exception:
+    """The exception for a direct call that failed with ``error``, carrying ``message``: a ``DirectStallError``
+    (:func:`stall_error`) after the stall report naming ``what`` (:func:`report_stall`) when it waited past
+    :func:`timeout_ms`, else Horovod's ``HorovodInternalError``. Every direct module raises what this returns."""
+    if timed_out(error):
+        report_stall(what, timeout_ms(), rank, size)
+        return stall_error()(message)
+    from horovod.common.exceptions import HorovodInternalError
+
+    return HorovodInternalError(message)
+
+
 def report_stall(what: str, waited_ms: int, rank: int, size: int) -> None:
     """On a timed-out direct call: the lines of Horovod's stall report that hvdp run reads (every other rank
     never sent ``what``), so the job ends saying which rank stalled, as on Horovod's path."""
@@ -88,6 +122,7 @@ def entry(library: Any, name: str, *middle: Any) -> Any:
 #: How far apart (ms) Horovod's background loop runs its rounds while the process's gradients take the
 #: direct path (:data:`hvdp.horovod_build.direct_patches.QUIET_LOOP`; a submitted tensor wakes it sooner):
 #: 50 unless ``HVDP_QUIET_LOOP_MS`` says otherwise (0 turns it off). At 50 ResNet-18's step is 2.6% shorter.
+#: Read when the loop is first spaced out, after ``hvdp.init`` checked it (:mod:`hvdp.environment`), never at import.
 QUIET_ENV = "HVDP_QUIET_LOOP_MS"
 
 
@@ -100,23 +135,30 @@ def quiet_ms_from(text: Optional[str]) -> int:
     return int(value)
 
 
-QUIET_MS = quiet_ms_from(os.environ.get(QUIET_ENV))
+def quiet_ms() -> int:
+    """:data:`QUIET_ENV`'s value now (the job's: ``hvdp.init`` refused a bad one before any loop ran)."""
+    return quiet_ms_from(os.environ.get(QUIET_ENV))
+
+
 _QUIET = [False]
 
 
 def quiet_loop(library: Any, on: bool) -> None:
-    """Space the background rounds of ``library``'s Horovod :data:`QUIET_MS` apart (``on``: the gradients go
+    """Space the background rounds of ``library``'s Horovod :func:`quiet_ms` apart (``on``: the gradients go
     direct, the loop has nothing to do) or back to the cycle time. Cheap when unchanged; a no-op with a build
-    without it, or while :data:`QUIET_MS` is 0 or not longer than the job's HOROVOD_CYCLE_TIME (never rounds
+    without it, or while :func:`quiet_ms` is 0 or not longer than the job's HOROVOD_CYCLE_TIME (never rounds
     more often)."""
-    on = on and QUIET_MS > float(os.environ.get("HOROVOD_CYCLE_TIME", "0") or 0)
+    if _QUIET[0] == on:
+        return
+    spacing = quiet_ms()
+    on = on and spacing > float(os.environ.get("HOROVOD_CYCLE_TIME", "0") or 0)
     if _QUIET[0] == on:
         return
     _QUIET[0] = on
     found = getattr(library, "horovod_hvdp_quiet_loop", None)
     if found is not None:
         found.argtypes, found.restype = [ctypes.c_int], None
-        found(QUIET_MS if on else 0)
+        found(spacing if on else 0)
 
 
 def is_quiet() -> bool:

@@ -149,7 +149,7 @@ DIRECT_ALLREDUCE: Tuple[Patch, ...] = (
 #: spaces the rounds ``ms`` apart (0: the cycle time again), and while it does, every tensor submitted to
 #: Horovod wakes the loop at once (the early wake's wake), so a collective is not kept waiting for the cadence;
 #: the ranks' rounds still meet within ``ms``, far inside Gloo's timeout
-#: (:data:`hvdp.backends.torch.direct.allreduce.QUIET_MS`). A no-op with ``HVDP_EARLY_WAKE=0``.
+#: (:func:`hvdp.backends.direct.quiet_ms`). A no-op with ``HVDP_EARLY_WAKE=0``.
 QUIET_LOOP: Tuple[Patch, ...] = (
     Patch(_OPS, "bool hvdp_left_waiting = false;\n",
           "bool hvdp_left_waiting = false;\n"

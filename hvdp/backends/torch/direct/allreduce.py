@@ -4,7 +4,7 @@ hvdp's Horovod build adds C entries (:data:`hvdp.horovod_build.direct_patches.DI
 sum-allreduce in place or from an input into an output (``horovod_hvdp_direct_allreduce_from``) and an
 exchange of every rank's message with every rank (``horovod_hvdp_direct_exchange``), each call on a
 Gloo tag of its own. Here: their Python
-side on torch, with the stall report (:func:`report_stall`; the stall timeout, the switch and the quiet loop are
+side on torch, with its failures' one error (:func:`failure`; the stall timeout, the switch and the quiet loop are
 every framework's: :mod:`hvdp.backends.direct`), the sender thread of torch's gradient path (:mod:`.gradients`), and a
 Keras optimizer's gradients on the torch backend reduced together (:class:`DirectGroup`). ``hvdp.allreduce``'s direct
 forms: :mod:`.calls`.
@@ -24,9 +24,9 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 
 from hvdp.backends import direct
-from hvdp.backends.direct import CHANNELS, PATH_ENV, chosen_path, timed_out, timeout_ms
-from hvdp.backends.direct import QUIET_MS as QUIET_MS  # the torch side's names, as before
+from hvdp.backends.direct import CHANNELS, PATH_ENV, chosen_path, timeout_ms
 from hvdp.backends.direct import is_quiet as is_quiet
+from hvdp.backends.direct import quiet_ms as quiet_ms  # the torch side's names, as before
 from hvdp.backends.direct import quiet_ms_from as quiet_ms_from
 from hvdp.backends.torch.direct import shm
 from hvdp.backends.torch.direct.shm import SharedMemory
@@ -40,9 +40,10 @@ GRADIENT_CHANNELS = (CHANNELS["torch gradient lane 0"], CHANNELS["torch gradient
 GROUP_CHANNEL = CHANNELS["torch keras group"]
 
 
-def report_stall(what: str, waited_ms: int) -> None:
-    """:func:`hvdp.backends.direct.report_stall` for this torch job's rank and size."""
-    direct.report_stall(what, waited_ms, hvd.rank(), hvd.size())
+def failure(error: Any, message: str, what: str) -> Exception:
+    """:func:`hvdp.backends.direct.failure` for this torch job's rank and size: the error to raise for a direct
+    call that failed with ``error`` (a :class:`hvdp.errors.StallError` on a timeout, after the stall report)."""
+    return direct.failure(error, message, what, hvd.rank(), hvd.size())
 
 
 def entry(name: str, *middle: Any) -> Any:
@@ -254,12 +255,11 @@ class DirectGroup:
             try:
                 self.allreduce(flat, GROUP_CHANNEL, scale=scale)
             except HorovodInternalError as error:
-                if timed_out(error):
-                    report_stall(f"hvdp.direct.keras_gradients.{dtype}", timeout_ms())
-                raise HorovodInternalError(
-                    f"hvdp's direct gradient allreduce ({dtype}, {flat.numel()} elements) failed: {error}. Another "
-                    f"rank stopped (see its output), or its model's trainable variables changed; {PATH_ENV}=horovod "
-                    f"runs Horovod's path instead.") from error
+                raise failure(
+                    error, f"hvdp's direct gradient allreduce ({dtype}, {flat.numel()} elements) failed: {error}. "
+                    f"Another rank stopped (see its output), or its model's trainable variables changed; "
+                    f"{PATH_ENV}=horovod runs Horovod's path instead.", f"hvdp.direct.keras_gradients.{dtype}",
+                ) from error
             offset = 0
             for i in mine:
                 n = tensors[i].numel()
