@@ -46,6 +46,7 @@ from hvdp.errors import (
     NotInitializedError,
     ProcessSetError,
     ReplicaMismatchError,
+    StallError,
     TensorMismatchError,
     TrainingMismatchError,
 )
@@ -58,7 +59,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BuildError", "CheckpointError", "DistributedOptimizer", "DistributedSampler", "FrameworkError", "HvdpError",
     "LaunchError", "NotInitializedError", "DistributedGradientTape", "ProcessSet", "ProcessSetError",
-    "ReplicaMismatchError", "SyncBatchNorm", "TensorMismatchError", "TrainingMismatchError", "__version__",
+    "ReplicaMismatchError", "StallError", "SyncBatchNorm", "TensorMismatchError", "TrainingMismatchError",
+    "__version__",
     "add_process_set", "convert_sync_batchnorm", "allgather", "allgather_object", "allreduce", "alltoall", "barrier",
     "broadcast", "broadcast_object", "broadcast_state", "check_consistency", "load_checkpoint", "save_checkpoint",
     "cross_rank", "cross_size", "elastic", "framework", "grouped_allgather", "grouped_allreduce",

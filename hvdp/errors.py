@@ -42,6 +42,12 @@ class TrainingMismatchError(HvdpError, ValueError):
     would wait for the others in a collective."""
 
 
+class StallError(HvdpError, RuntimeError):
+    """A direct call waited past the job's stall timeout (``hvdp run --stall-timeout``): another rank stopped
+    or stalled. On torch it is also Horovod's ``HorovodInternalError``, so an elastic job resets as on
+    Horovod's path."""
+
+
 class CheckpointError(HvdpError, ValueError):
     """A checkpoint is missing, corrupt, truncated, from the other framework or another architecture."""
 

@@ -51,3 +51,25 @@ def test_every_extra_is_offered_by_some_framework():
         offered.update(importlib.import_module(_runtime.SPECS[framework].backend_module).Backend.extras)
     assert offered == set(extras_declared()) == {"sync_batch_norm", "convert_sync_batchnorm",
                                                  "distributed_gradient_tape"}
+
+
+def test_a_direct_calls_failure_is_one_error_a_stall_when_it_timed_out(capsys, monkeypatch):
+    """Every direct module raises what backends.direct.failure returns: on Gloo's timeout a StallError that is
+    also Horovod's HorovodInternalError (an elastic job resets), after the stall report's lines naming the
+    call and every other rank; on any other failure a plain HorovodInternalError, and no report."""
+    from horovod.common.exceptions import HorovodInternalError
+
+    import hvdp
+    from hvdp.backends import direct
+
+    monkeypatch.delenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", raising=False)
+    stalled = direct.failure(b"Timed out waiting 10000ms for recv operation", "the bucket failed", "bucket1of2", 0, 3)
+    assert isinstance(stalled, hvdp.StallError) and isinstance(stalled, HorovodInternalError)
+    assert str(stalled) == "the bucket failed"
+    report = capsys.readouterr().err
+    assert "stalled for 300 s in a direct allreduce (bucket1of2)" in report
+    assert "1!: [allreduce.bucket1of2]" in report and "2!: [allreduce.bucket1of2]" in report
+    assert "0!:" not in report
+    other = direct.failure(RuntimeError("Connection reset by peer"), "the call failed", "x", 1, 2)
+    assert type(other) is HorovodInternalError and not isinstance(other, hvdp.StallError)
+    assert capsys.readouterr().err == ""

@@ -118,11 +118,9 @@ def compared(text: str, usable: bool, finished: bool = False) -> Tuple[bool, boo
     code = exchange(inbox.ctypes.data, 24, 24, AGREE_CHANNEL, waited, error, len(error))
     if code != 0:
         why = error.value.decode(errors="replace") or "not a Gloo job"
-        if direct.timed_out(why):
-            direct.report_stall("hvdp.direct.tf_layout", waited, rank, size)
-        raise RuntimeError(f"Horovod (hvdp's direct path) could not compare the gradients between ranks: {why}. "
-                           f"Another rank stopped (see its output); {direct.PATH_ENV}=horovod runs Horovod's path "
-                           f"instead.")
+        raise direct.failure(why, f"Horovod (hvdp's direct path) could not compare the gradients between ranks: "
+                                  f"{why}. Another rank stopped (see its output); {direct.PATH_ENV}=horovod runs "
+                                  f"Horovod's path instead.", "hvdp.direct.tf_layout", rank, size)
     if inbox[:, 2].all():
         return False, True
     if inbox[:, 2].any() and not finished:

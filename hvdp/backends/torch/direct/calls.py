@@ -37,13 +37,13 @@ import numpy as np
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from hvdp.backends.direct import CHANNELS, timed_out
+from hvdp.backends.direct import CHANNELS
 from hvdp.backends.torch.direct.allreduce import (
     DirectAllreduce,
     chosen_path,
     exchange_entry,
+    failure,
     quiet_loop,
-    report_stall,
     timeout_ms,
 )
 from hvdp.errors import TensorMismatchError, TrainingMismatchError
@@ -115,11 +115,11 @@ class DirectExchange:
             self.places[rank, _HEADER:_HEADER + nbytes].view(payload.dtype)[:] = payload
         code = self.entry(self.inbox.data_ptr(), self.capacity, _HEADER + nbytes, CALL_CHANNEL, timeout_ms(),
                           self.error, len(self.error))
-        if code == 1 and timed_out(self.error.value):  # the stall report names the call's tensor
-            report_stall(text.partition(" | ")[0].rpartition(" named ")[2] or "unnamed", timeout_ms())
+        if code == 1:  # on a timeout, the stall report names the call's tensor
+            raise failure(self.error.value, self.error.value.decode(errors="replace"),
+                          text.partition(" | ")[0].rpartition(" named ")[2] or "unnamed")
         if code != 0:
-            raise HorovodInternalError(self.error.value.decode(errors="replace") if code == 1 else
-                                       "hvdp's direct exchange needs a Gloo job (this one runs on MPI).")
+            raise HorovodInternalError("hvdp's direct exchange needs a Gloo job (this one runs on MPI).")
         done = self.headers[:, 4]
         if done.any():
             if done.all():
@@ -306,9 +306,7 @@ def direct_call(tensor: torch.Tensor, op: str, name: Optional[str], whole_job: b
         try:
             _RING(source, LARGE_CHANNEL, into=target)
         except HorovodInternalError as error:
-            if timed_out(error):
-                report_stall(f"{name or 'unnamed'}", timeout_ms())
-            raise
+            raise failure(error, str(error), name or "unnamed") from error
     if op == "average":
         target.div_(hvd.size())
     return target

@@ -31,7 +31,7 @@ says what is known already. This path skips it:
    gradients, as on Horovod's path), and the next step learns again on Horovod's path.
 
 A rank that stops sending (it stalled, or crashed) ends the others' wait after the stall
-timeout (:func:`hvdp.backends.torch.direct.allreduce.timeout_ms`) as a ``HorovodInternalError``
+timeout (:func:`hvdp.backends.direct.timeout_ms`) as an :class:`hvdp.errors.StallError` (a ``HorovodInternalError``)
 naming the bucket, with the stall report hvdp run reads, never a silent hang; a rank that left
 its loop early serves the others' remaining steps with zeros (:func:`serve_until_finished`).
 ``HVDP_GRADIENT_PATH=horovod`` keeps Horovod's path throughout (to compare); the path taken
@@ -47,19 +47,16 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import horovod.torch as hvd
 import torch
-from horovod.common.exceptions import HorovodInternalError
 
-from hvdp.backends.direct import timed_out
 from hvdp.backends.torch.direct import allreduce, buckets
 from hvdp.backends.torch.direct.allreduce import (
     PATH_ENV,
     DirectAllreduce,
     agreed,
+    failure,
     quiet_loop,
-    report_stall,
     scale_if_direct,
     sender,
-    timeout_ms,
     usable_for,
 )
 from hvdp.backends.torch.direct.buckets import Bucket, cut
@@ -272,12 +269,11 @@ class DirectGradients:
         for b, bucket in enumerate(self.buckets):
             if bucket.errors:
                 self.relearn()  # an elastic job goes on from its last commit: on Horovod's path first
-                if timed_out(bucket.errors[0]):
-                    report_stall(f"hvdp.direct.{what}.bucket{b + 1}of{len(self.buckets)}", timeout_ms())
-                raise HorovodInternalError(
-                    f"hvdp's direct gradient allreduce of bucket {b + 1} of {len(self.buckets)} failed: "
-                    f"{bucket.errors[0]}. Another rank stopped or stalled (see its output), or ran a different "
-                    f"number of backward passes; {PATH_ENV}=horovod runs Horovod's path instead.")
+                raise failure(
+                    bucket.errors[0], f"hvdp's direct gradient allreduce of bucket {b + 1} of {len(self.buckets)} "
+                    f"failed: {bucket.errors[0]}. Another rank stopped or stalled (see its output), or ran a "
+                    f"different number of backward passes; {PATH_ENV}=horovod runs Horovod's path instead.",
+                    f"hvdp.direct.{what}.bucket{b + 1}of{len(self.buckets)}")
 
     def serve_until_finished(self) -> None:
         """On a rank that left its training loop while on the direct path: send zeros for every bucket, as
