@@ -24,6 +24,11 @@ EPOCHS, SAVE_EVERY = 4, 2
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 #: The largest difference allowed between any weight of the port and DDP's (see the module's text).
 TOLERANCE = 0.0
+#: How torch 2.13's Gloo process group sometimes aborts one rank of the DDP job as the job ends, after every rank
+#: wrote its weights and passed the tutorial's last barrier (2 runs of about 60 in this suite on a loaded machine;
+#: none in 24 runs of three loops side by side): std::terminate from a thread of the group's torn down while
+#: joinable, in the peer's process, not in hvdp's.
+TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def run_torchrun(out_dir: Path) -> tuple:
@@ -48,7 +53,12 @@ def test_the_hvdp_port_of_ddps_tutorial_ends_with_ddps_weights_on_every_rank(tmp
                                  str(SAVE_EVERY)], tmp_path / "hvdp", extra_env={"OMP_NUM_THREADS": "1"}),
     })
     code, output, ddp = jobs["ddp"].result()
-    assert code == 0 and [r["rank"] for r in ddp] == [0, 1], output[-6000:]
+    assert [r["rank"] for r in ddp] == [0, 1], output[-6000:]  # every rank of DDP's job wrote its final weights
+    if code != 0:  # the reference still stands when its only fault is torch's own abort at the end (see above)
+        assert TORCH_TEARDOWN_ABORT in output and "Traceback" not in output.split(TORCH_TEARDOWN_ABORT)[0], \
+            output[-6000:]
+        print(f"\nDDP's job wrote every rank's weights, then one rank aborted as torch tore the group down "
+              f"('{TORCH_TEARDOWN_ABORT}'); its weights are compared as written")
     port = jobs["hvdp"].result()
     assert port.returncode == 0 and [r["rank"] for r in port.ranks] == [0, 1], port.why()
     for job, out in (("ddp", output), ("hvdp", port.output)):  # rank 0 saved the snapshots, as the tutorial
