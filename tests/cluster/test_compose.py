@@ -124,9 +124,10 @@ def accuracy(output: str):
     return float(value), framework, int(processes)
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
-@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+@pytest.mark.parametrize("framework, controller", [("torch", "gloo"), ("tensorflow", "mpi")])
 def test_compose_trains_digits_on_two_workers(project, framework, controller):
+    """Each framework and each controller once: how the containers find each other and start rank 1 (horovodrun's
+    ssh, or mpirun's) depends on the controller, not on the framework (as in test_slurm and test_multihost)."""
     project.settings = {"HVDP_FRAMEWORK": framework, "HVDP_CONTROLLER": f"--{controller}"}
     project.up()
     code = project.wait(900)

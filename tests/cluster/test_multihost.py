@@ -76,9 +76,10 @@ def check_job(cluster: Cluster, output: str, ranks: list, framework: str, contro
     return float(accuracy)
 
 
-@pytest.mark.parametrize("controller, framework",
-                         [("gloo", "torch"), ("mpi", "torch"), ("gloo", "tensorflow"), ("mpi", "tensorflow")])
+@pytest.mark.parametrize("controller, framework", [("mpi", "torch"), ("gloo", "tensorflow")])
 def test_example_trains_across_two_hosts_over_ssh(cluster, controller, framework, tmp_path):
+    """Each framework and each controller once: how rank 1 is started on its host (horovodrun's ssh, mpirun's)
+    depends on the controller, not on the framework; torch under Gloo crosses the hosts in the test below."""
     hosts = ",".join(f"{w.address}:1" for w in cluster.workers)
     job = cluster.run(cluster.launcher, [
         *HVDP, "run", "-np", "2", "-H", hosts, "--ssh-port", str(SSH_PORT), "--ssh-identity-file", str(cluster.key),
