@@ -1,8 +1,9 @@
 """A failing rank ends the whole job quickly, and hvdp run names it (np=2).
 
 The six jobs that wait out a 10 s stall timeout (a stalled rank, a paused one; Gloo and MPI; a stalled rank on
-TensorFlow's direct path; models that differ between the ranks) run side by side (harness.side_by_side): what
-they time starts at the fault, once the job is up."""
+TensorFlow's direct path; models that differ between the ranks, on Horovod's path) and the job whose models differ
+on the direct path (refused at its first step) run side by side (harness.side_by_side): what they time starts at
+the fault, once the job is up."""
 
 from __future__ import annotations
 
@@ -56,16 +57,25 @@ def test_an_exception_on_one_rank_is_named_as_the_cause(controller, tmp_path):
 @pytest.fixture(scope="module")
 def waiting_jobs(tmp_path_factory):
     """The stall and pause jobs under both controllers, a stall on TensorFlow's direct path and the job whose
-    ranks' models differ, at once: (mode, controller) -> (job, detection), and ("differ", "gloo-tensorflow") -> job."""
+    ranks' models differ on each gradient path, at once: (mode, controller) -> (job, detection),
+    ("differ", "horovod-path") -> job and ("differ", "direct-path") -> (job, seconds)."""
     jobs = {(mode, controller): functools.partial(
         run_fault, mode, controller, tmp_path_factory.mktemp(f"{mode}-{controller}"), "--stall-timeout", "10")
         for mode in ("stall", "pause") for controller in ("gloo", "mpi")}
     jobs[("stall", "gloo-tensorflow")] = functools.partial(
         run_fault, "stall", "gloo", tmp_path_factory.mktemp("stall-tensorflow"), "--stall-timeout", "10",
         framework="tensorflow")
-    jobs[("differ", "gloo-tensorflow")] = functools.partial(
-        run_job, ["--gloo", "--framework", "tensorflow", "--stall-timeout", "10", str(WORKERS / "different_models.py")],
-        tmp_path_factory.mktemp("differ-tensorflow"), timeout=240)
+    differ = ["--gloo", "--framework", "tensorflow", str(WORKERS / "different_models.py")]
+    jobs[("differ", "horovod-path")] = functools.partial(
+        run_job, ["--stall-timeout", "10", *differ], tmp_path_factory.mktemp("differ-horovod"), timeout=240,
+        extra_env={"HVDP_GRADIENT_PATH": "horovod"})
+
+    def differ_direct():
+        started = time.time()
+        job = run_job(["--stall-timeout", "120", *differ], tmp_path_factory.mktemp("differ-direct"), timeout=240)
+        return job, time.time() - started
+
+    jobs[("differ", "direct-path")] = differ_direct
     return side_by_side(jobs)
 
 
@@ -88,10 +98,22 @@ def test_a_stalled_rank_on_tensorflows_direct_path_ends_the_job_naming_it(waitin
         job.output[-3000:]
 
 
+def test_models_that_differ_between_ranks_are_refused_at_the_first_step_on_the_direct_path(waiting_jobs):
+    """Rank 1's Keras model has a layer more: on TensorFlow's direct path the layout exchange before the first
+    gradients' allreduce sees it, and every rank raises TensorMismatchError naming each rank's gradients, without
+    waiting for the 120 s stall timeout (was: Horovod's path, then the stall timeout)."""
+    job, seconds = waiting_jobs[("differ", "direct-path")].result()
+    assert job.returncode != 0
+    assert "The ranks reduce different gradients, so their models differ: rank 0 reduces 2 gradients " \
+           "(36 elements); rank 1 reduces 4 gradients (56 elements)." in job.output, job.output[-3000:]
+    assert "TensorMismatchError" in job.output and "hvdp.check_consistency(model)" in job.output
+    assert "stalled" not in job.output and seconds < 100, (seconds, job.output[-3000:])
+
+
 def test_models_that_differ_between_ranks_end_the_stall_saying_so(waiting_jobs):
-    """Rank 1's Keras model has a layer more: the stall's message says the models differ, with each
-    rank's number of gradients (was: only the tensor names each rank never submitted)."""
-    job = waiting_jobs[("differ", "gloo-tensorflow")].result()
+    """Rank 1's Keras model has a layer more: on Horovod's path, the stall's message says the models differ,
+    with each rank's number of gradients (was: only the tensor names each rank never submitted)."""
+    job = waiting_jobs[("differ", "horovod-path")].result()
     assert job.returncode != 0
     assert "The ranks reduce different gradients, so their models differ: rank 0 reduces 2 gradients; " \
            "rank 1 reduces 4 gradients." in job.output, job.output[-3000:]

@@ -8,9 +8,11 @@ thread. A :class:`DirectGroup` reduces one update's gradients with it, inside th
 - At each call the ranks compare the gradients' layout (dtypes and shapes) by one direct exchange of a digest
   (:func:`compared`; from a small Python function the step calls).
 - Where every rank has the same layout and can use it, the gradients of each dtype go end to end
-  (``tf.concat``), each dtype is reduced by one op, and they are split again. Otherwise that call takes Horovod's
-  path (the grouped allreduces as before; a ``tf.cond`` picks), which ends a job whose models differ, saying
-  so. While an ``hvdp.join`` is open every call takes Horovod's path, without the exchange.
+  (``tf.concat``), each dtype is reduced by one op, and they are split again. Where the layouts differ (the
+  models differ), every rank raises :class:`hvdp.errors.TensorMismatchError` at that call, naming each rank's
+  number of gradients and elements, as torch's calls do. Where a rank cannot use the op (a dtype or shape it does
+  not take), that call takes Horovod's path (the grouped allreduces as before; a ``tf.cond`` picks). While an
+  ``hvdp.join`` is open every call takes Horovod's path, without the exchange.
 
 The op is stateful, so a traced function runs its calls in the order they were traced, the same on every rank.
 A direct call that times out prints Horovod's stall report lines, so ``hvdp run`` names the rank that stalled.
@@ -30,7 +32,7 @@ import tensorflow as tf
 
 from hvdp.backends import direct
 from hvdp.backends.direct import CHANNELS
-from hvdp.errors import TrainingMismatchError
+from hvdp.errors import TensorMismatchError, TrainingMismatchError
 
 #: The direct allreduce's channel for TensorFlow's gradients (a Gloo tag of its own), and the layout exchange's.
 GRADIENT_CHANNEL, AGREE_CHANNEL = CHANNELS["tensorflow gradients"], CHANNELS["tensorflow layout"]
@@ -63,10 +65,12 @@ class DirectGroup:
         self.scale, self.joining = scale, joining
         self.counts = {"direct": 0, "horovod": 0, "differed": 0}
 
-    def ready(self, text: str, usable: bool) -> float:
+    def ready(self, text: str, usable: bool, size: Tuple[int, int] = (0, 0)) -> float:
         """At each call (Python, from the traced step): the scale of the direct path where every rank has the
-        layout ``text`` and can use it, else 0 (Horovod's path). While a join is open, 0 without asking."""
-        go, same = (False, True) if self.joining() else compared(text, usable)
+        layout ``text`` (``size``: its number of gradients and of elements) and can use it, else 0 (Horovod's
+        path); TensorMismatchError on every rank where the layouts differ. While a join is open, 0 without
+        asking."""
+        go, same = (False, True) if self.joining() else compared(text, usable, size=size)
         direct.quiet_loop(_library(), go)
         self.counts["direct" if go else "horovod"] += 1
         self.counts["differed"] += int(not same)
@@ -78,8 +82,9 @@ class DirectGroup:
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         text = repr([(t.dtype.name, t.shape.as_list()) for t in tensors])
         usable = bool(tensors) and all(t.dtype in _USABLE and t.shape.is_fully_defined() for t in tensors)
-        scale = tf.numpy_function(lambda: np.float64(self.ready(text, usable)), [], tf.float64, stateful=True,
-                                  name="hvdp_direct_ready")
+        size = (len(tensors), sum(int(t.shape.num_elements() or 0) for t in tensors))
+        scale = tf.numpy_function(lambda: np.float64(self.ready(text, usable, size)), [], tf.float64,
+                                  stateful=True, name="hvdp_direct_ready")
         scale.set_shape([])
         if not usable:  # never direct on this rank, which still answers the others' question
             with tf.control_dependencies([scale]):
@@ -100,9 +105,10 @@ def _reduced(tensors: List[Any], scale: Any) -> List[Any]:
     return results
 
 
-def compared(text: str, usable: bool, finished: bool = False) -> Tuple[bool, bool]:
+def compared(text: str, usable: bool, finished: bool = False, size: Tuple[int, int] = (0, 0)) -> Tuple[bool, bool]:
     """(whether every rank has the layout ``text`` and can use it, whether every rank has ``text``): one direct
-    exchange of a digest, so every rank reaches the same answer at the same call.
+    exchange of a digest, so every rank reaches the same answer at the same call. Where the digests differ,
+    every rank raises TensorMismatchError naming each rank's ``size`` (gradients, elements): the models differ.
 
     ``finished``: this rank has left its training loop (:func:`leave`). Where every rank has, the
     answer is (False, True); where some have, the ranks still training raise TrainingMismatchError naming them,
@@ -110,17 +116,17 @@ def compared(text: str, usable: bool, finished: bool = False) -> Tuple[bool, boo
     """
     exchange = direct.entry(_library(), "horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong,
                             ctypes.c_int)
-    rank, size = hvd.rank(), hvd.size()
-    inbox = np.zeros((size, 3), dtype=np.int64)
-    inbox[rank] = (zlib.crc32(text.encode()), int(usable), int(finished))
+    rank, ranks = hvd.rank(), hvd.size()
+    inbox = np.zeros((ranks, 5), dtype=np.int64)
+    inbox[rank] = (zlib.crc32(text.encode()), int(usable), int(finished), *size)
     error = ctypes.create_string_buffer(1024)
     waited = direct.timeout_ms()
-    code = exchange(inbox.ctypes.data, 24, 24, AGREE_CHANNEL, waited, error, len(error))
+    code = exchange(inbox.ctypes.data, 40, 40, AGREE_CHANNEL, waited, error, len(error))
     if code != 0:
         why = error.value.decode(errors="replace") or "not a Gloo job"
         raise direct.failure(why, f"Horovod (hvdp's direct path) could not compare the gradients between ranks: "
                                   f"{why}. Another rank stopped (see its output); {direct.PATH_ENV}=horovod runs "
-                                  f"Horovod's path instead.", "hvdp.direct.tf_layout", rank, size)
+                                  f"Horovod's path instead.", "hvdp.direct.tf_layout", rank, ranks)
     if inbox[:, 2].all():
         return False, True
     if inbox[:, 2].any() and not finished:
@@ -129,8 +135,23 @@ def compared(text: str, usable: bool, finished: bool = False) -> Tuple[bool, boo
                                     f"gradients' allreduce has no partner there. {SAME_STEPS}")
     if finished:
         return True, True
-    same = bool((inbox[:, 0] == inbox[rank, 0]).all())
-    return same and bool(inbox[:, 1].all()), same
+    if not (inbox[:, 0] == inbox[rank, 0]).all():
+        raise TensorMismatchError(models_differ(inbox[:, 3:5]))
+    return bool(inbox[:, 1].all()), True
+
+
+def models_differ(sizes: Any) -> str:
+    """The refusal where the ranks' gradients differ, from each rank's (gradients, elements).
+
+    >>> models_differ([(2, 36), (4, 56)])[62:130]
+    'rank 0 reduces 2 gradients (36 elements); rank 1 reduces 4 gradients'
+    """
+    each = "; ".join(f"rank {r} reduces {int(count)} gradients ({int(elements)} elements)"
+                     for r, (count, elements) in enumerate(sizes))
+    return (f"The ranks reduce different gradients, so their models differ: {each}. A layer or parameter exists, "
+            f"is trainable, or has another shape or dtype on some ranks only (built on one rank, frozen on one "
+            f"rank, a different architecture). Build the same model on every rank; hvdp.check_consistency(model) "
+            f"names the ranks that differ.")
 
 
 #: The fix, when a rank left its training loop while others still train.

@@ -1,7 +1,8 @@
 """Keras: rank 1 builds its model with one layer more than rank 0's, then both call fit.
 
-Each rank's optimizer reduces its own list of gradients (2 on rank 0, 4 on rank 1), so each
-waits for a list the other never sends; the job must end saying the models differ.
+Each rank's optimizer reduces its own list of gradients (2 on rank 0, 4 on rank 1). On the direct path the
+layout exchange refuses it on every rank at the first step; on Horovod's path each rank waits for a list the
+other never sends until the stall timeout. Either way the job must end saying the models differ.
 """
 
 from __future__ import annotations
