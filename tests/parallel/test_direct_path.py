@@ -22,6 +22,22 @@ def job(tmp_path_factory):
     return run_worker("direct_path.py", "gloo", "torch", tmp_path_factory.mktemp("direct"))
 
 
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def calls_job(request, tmp_path_factory):
+    """hvdp.allreduce's direct calls: the Gloo job's (the job above), and the same cases under hvdp run --mpi
+    (their MPI peer, hvdp.backends.direct_mpi)."""
+    if request.param == "gloo":
+        return request.getfixturevalue("job")
+    return run_worker("direct_calls_mpi.py", "mpi", "torch", tmp_path_factory.mktemp("direct_mpi"))
+
+
+def test_the_calls_go_direct_on_the_jobs_controller_and_only_gloos_gradients_do(calls_job, request):
+    """Under MPI the calls take the MPI peer; the gradients keep Horovod's path there (its MPI allreduce)."""
+    controller = request.node.callspec.params["calls_job"]
+    for r in calls_job.ranks:
+        assert r["controller"] == controller and r["gradients direct"] is (controller == "gloo"), r
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_direct_path_matches_horovods_on_every_rank(job, case):
     digests = set()
@@ -75,25 +91,25 @@ def test_two_optimizers_over_one_backward_pass(job):
 
 @pytest.mark.parametrize("key", ["float32 sum", "float32 average", "float64 sum", "float64 average", "int32 sum",
                                  "int64 sum"])
-def test_small_allreduce_matches_horovods_path_on_every_rank(job, key):
-    for r in job.ranks:
+def test_small_allreduce_matches_horovods_path_on_every_rank(calls_job, key):
+    for r in calls_job.ranks:
         got = r["calls"][key]
         assert got["shape"] == [2, 3] and got["dtype"] == "torch." + key.split()[0]
         assert max_abs_diff(sum(got["direct"], []), sum(got["horovod"], [])) <= 1e-6, (r["rank"], key, got)
-    assert job.ranks[0]["calls"][key]["direct"] == job.ranks[1]["calls"][key]["direct"]
+    assert calls_job.ranks[0]["calls"][key]["direct"] == calls_job.ranks[1]["calls"][key]["direct"]
 
 
-def test_small_allreduce_numpy_out_and_numbers(job):
-    for r in job.ranks:
+def test_small_allreduce_numpy_out_and_numbers(calls_job):
+    for r in calls_job.ranks:
         assert r["calls"]["numpy out="] == {"returned_out": True, "out": [4.5, 7.5]}
         assert r["calls"]["numbers"] == [2.5, 5]
 
 
 @pytest.mark.parametrize("what", ["name", "shape", "dtype"])
-def test_calls_that_differ_between_ranks_are_refused_on_every_rank(job, what):
+def test_calls_that_differ_between_ranks_are_refused_on_every_rank(calls_job, what):
     """Differing names are refused too (Horovod's path would wait for the other name); differing sizes, which
     would end a Gloo collective's process, come back as an error, and the next call works."""
-    for r in job.ranks:
+    for r in calls_job.ranks:
         refusal = r["calls"]["refusals"][what]
         assert refusal.startswith("TensorMismatchError: "), (r["rank"], refusal)
         assert "rank 0: " in refusal and "rank 1: " in refusal, refusal
@@ -104,16 +120,16 @@ LARGE_KEYS = ("float32 sum", "float32 average", "float64 sum", "float64 average"
 
 
 @pytest.mark.parametrize("key", LARGE_KEYS)
-def test_large_allreduce_by_the_ring_matches_horovods_path_on_every_rank(job, key):
-    for r in job.ranks:
+def test_large_allreduce_by_the_ring_matches_horovods_path_on_every_rank(calls_job, key):
+    for r in calls_job.ranks:
         got = r["large calls"][key]
         assert got["shape"] == [300, 257] and got["dtype"] == "torch." + key.split()[0], got
         assert got["diff"] <= (1e-4 if "32" in key else 1e-9), (r["rank"], key, got)
-    assert job.ranks[0]["large calls"][key]["digest"] == job.ranks[1]["large calls"][key]["digest"]
+    assert calls_job.ranks[0]["large calls"][key]["digest"] == calls_job.ranks[1]["large calls"][key]["digest"]
 
 
-def test_large_allreduce_into_out_in_place_numpy_and_transposed(job):
-    for r in job.ranks:
+def test_large_allreduce_into_out_in_place_numpy_and_transposed(calls_job):
+    for r in calls_job.ranks:
         got = r["large calls"]
         assert got["out="] == {"returned_out": True, "right": True, "input unchanged": True}, got["out="]
         assert got["in place"] == {"returned_out": True, "right": True}
@@ -125,8 +141,8 @@ def test_large_allreduce_into_out_in_place_numpy_and_transposed(job):
 
 
 @pytest.mark.parametrize("what", ["name", "shape", "dtype"])
-def test_large_calls_that_differ_between_ranks_are_refused_before_the_ring(job, what):
-    for r in job.ranks:
+def test_large_calls_that_differ_between_ranks_are_refused_before_the_ring(calls_job, what):
+    for r in calls_job.ranks:
         refusal = r["large calls"]["refusals"][what]
         assert refusal.startswith("TensorMismatchError: "), (r["rank"], refusal)
         assert "rank 0: " in refusal and "rank 1: " in refusal, refusal
@@ -151,15 +167,15 @@ SHM_KEYS = ("float32 sum", "float32 average", "float64 sum", "int32 sum", "int64
 
 
 @pytest.mark.parametrize("key", SHM_KEYS)
-def test_allreduce_through_shared_memory_matches_horovods_path_on_every_rank(job, key):
-    for r in job.ranks:
+def test_allreduce_through_shared_memory_matches_horovods_path_on_every_rank(calls_job, key):
+    for r in calls_job.ranks:
         got = r["shared memory"][key]
         assert got["dtype"] == "torch." + key.split()[0] and got["numel"] > (8 << 20) // 4, got
         assert got["diff"] <= (1e-4 if "32" in key else 1e-9), (r["rank"], key, got)
 
 
-def test_shared_memory_into_out_and_in_place_and_every_call_went_through_it(job):
-    for r in job.ranks:
+def test_shared_memory_into_out_and_in_place_and_every_call_went_through_it(calls_job):
+    for r in calls_job.ranks:
         got = r["shared memory"]
         assert got["out="] == {"returned_out": True, "right": True, "input unchanged": True}, got["out="]
         assert got["in place"] == {"returned_out": True, "right": True}
@@ -168,8 +184,8 @@ def test_shared_memory_into_out_and_in_place_and_every_call_went_through_it(job)
         assert got["ring calls"] == 1, got  # only the call with shared memory switched off
 
 
-def test_shared_memory_refuses_sizes_that_differ_and_falls_back_to_the_ring_without_memory(job):
-    for r in job.ranks:
+def test_shared_memory_refuses_sizes_that_differ_and_falls_back_to_the_ring_without_memory(calls_job):
+    for r in calls_job.ranks:
         got = r["shared memory"]
         assert got["sizes differ"].startswith("HorovodInternalError: Mismatched direct allreduce"), got
         assert "every rank's bytes: [8392608, 8396704]" in got["sizes differ"], got["sizes differ"]

@@ -1,9 +1,9 @@
 """Collective calls that differ between ranks are refused on every rank within seconds, naming each rank's call,
-and the job goes on (torch, Gloo, at np=2 and np=3; --stall-timeout 60, so a hang would show as a minute):
-ops, kinds, roots, names, dtypes and shapes, at 4 KB (one direct exchange), 1 MB (the ring) and on Horovod's
-path (an op or dtype only it has). The path each call takes is chosen from headers every rank exchanges
-(hvdp.backends.torch.direct.calls), so two ranks never wait in two mechanisms. A rank that finishes its script while
-another still calls: test_leave_early.py."""
+and the job goes on (torch, Gloo at np=2 and np=3, MPI at np=2: hvdp.backends.direct_mpi; --stall-timeout 60,
+so a hang would show as a minute): ops, kinds, roots, names, dtypes and shapes, at 4 KB (one direct exchange),
+1 MB (the ring) and on Horovod's path (an op or dtype only it has). The path each call takes is chosen from
+headers every rank exchanges (hvdp.backends.torch.direct.calls), so two ranks never wait in two mechanisms. A rank
+that finishes its script while another still calls: test_leave_early.py."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ REFUSED = {
 }
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"np{n}")
+@pytest.fixture(scope="module", params=[(2, "gloo"), (3, "gloo"), (2, "mpi")], ids=lambda p: f"np{p[0]}-{p[1]}")
 def job(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"mismatched{request.param}")
-    job = run_job(["--gloo", "--framework", "torch", "--stall-timeout", "60", str(WORKERS / "mismatched_calls.py")],
-                  out, np_=request.param, timeout=300)
+    size, controller = request.param
+    out = tmp_path_factory.mktemp(f"mismatched{size}{controller}")
+    job = run_job([f"--{controller}", "--framework", "torch", "--stall-timeout", "60",
+                   str(WORKERS / "mismatched_calls.py")], out, np_=size, timeout=300)
     assert job.returncode == 0, job.why()
-    assert [r["rank"] for r in job.ranks] == list(range(request.param)), job.why()
+    assert [r["rank"] for r in job.ranks] == list(range(size)), job.why()
     return job
 
 

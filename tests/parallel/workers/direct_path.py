@@ -293,7 +293,9 @@ def shared_memory_calls() -> Dict[str, Any]:
 def main() -> None:
     hvdp.init(framework="torch")
     assert direct_allreduce.quiet_ms() == 50, "the quiet loop is on by default (HVDP_QUIET_LOOP_MS unset)"
-    record: Dict[str, Any] = {"rank": hvdp.rank(), "size": hvdp.size(), "cases": {}}
+    record: Dict[str, Any] = {"rank": hvdp.rank(), "size": hvdp.size(), "cases": {},
+                              "controller": direct_allreduce.controller(),
+                              "gradients direct": direct_allreduce.DirectAllreduce().usable()}
     settings = {"average": ({}, {}), "sum": ({"op": "sum"}, {}), "predivide": ({"gradient_predivide_factor": 2.0}, {}),
                 "two passes": ({"backward_passes_per_step": 2}, {"passes": 2}),
                 "no_sync": ({}, {"passes": 2, "local_first": True}),

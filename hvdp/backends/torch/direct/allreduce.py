@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import queue
+import sys
 import threading
 import weakref
 import zlib
@@ -23,7 +24,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
-from hvdp.backends import direct
+from hvdp.backends import direct, direct_mpi
 from hvdp.backends.direct import CHANNELS, PATH_ENV, chosen_path, timeout_ms
 from hvdp.backends.direct import is_quiet as is_quiet
 from hvdp.backends.direct import quiet_ms as quiet_ms  # the torch side's names, as before
@@ -51,21 +52,59 @@ def entry(name: str, *middle: Any) -> Any:
     return direct.entry(hvd.mpi_ops._basics.MPI_LIB_CTYPES, name, *middle)
 
 
+_CONTROLLER: List[str] = []
+
+
+def controller() -> str:
+    """The controller the direct calls run on in this job: ``gloo`` (the build's C entries on Horovod's Gloo
+    context), ``mpi`` (their MPI peer, :mod:`hvdp.backends.direct_mpi`), or ``""`` where neither can (an MPI
+    without full thread support, no mpi4py: said once by rank 0, and every call keeps Horovod's path). Fixed for
+    the life of the process once Horovod is initialized."""
+    if _CONTROLLER:
+        return _CONTROLLER[0]
+    if not hvd.is_initialized():
+        return ""
+    found = ""
+    if hvd.gloo_enabled():
+        found = "gloo"
+    elif hvd.mpi_enabled():
+        why = direct_mpi.reason()
+        found = "" if why else "mpi"
+        if why and hvd.rank() == 0 and hvd.size() > 1 and chosen_path() == "direct":
+            print(f"hvdp: under MPI, hvdp.allreduce and the other collectives take Horovod's path: {why}. "
+                  f"Fix: install it, or run on Gloo (hvdp run without --mpi).", file=sys.stderr, flush=True)
+    _CONTROLLER.append(found)
+    return found
+
+
+def controller_entry(name: str, *middle: Any) -> Any:
+    """The direct entry ``name`` on this job's :func:`controller`: the build's C entry on Gloo (None in a build
+    without it), its MPI peer on MPI, None otherwise. Same arguments and return codes on both."""
+    kind = controller()
+    if kind == "gloo":
+        return entry(name, *middle)
+    entries = direct_mpi.entries() if kind == "mpi" else None
+    return None if entries is None else entries[name]
+
+
 def exchange_entry() -> Any:
-    """The build's ``horovod_hvdp_direct_exchange`` (None in a build without it): every rank's message to every
-    rank (the small ``hvdp.allreduce`` calls' exchange, and the shared memory's headers and barriers)."""
-    return entry("horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int)
+    """``horovod_hvdp_direct_exchange`` on this job's controller (:func:`controller_entry`): every rank's message
+    to every rank (the small ``hvdp.allreduce`` calls' exchange, and the shared memory's headers and barriers)."""
+    return controller_entry("horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int)
 
 
 _LOCAL: List[Optional[SharedMemory]] = []
 
 
 def local_memory() -> Optional[SharedMemory]:
-    """The process's shared-memory allreduce (:mod:`.shm`), or None in a build without the exchange."""
+    """The process's shared-memory allreduce (:mod:`.shm`), or None without an exchange on this controller."""
     if not _LOCAL:
         exchange = exchange_entry()
-        _LOCAL.append(None if exchange is None or not hvd.gloo_enabled() else SharedMemory(exchange, timeout_ms))
+        _LOCAL.append(None if exchange is None else SharedMemory(exchange, timeout_ms))
     return _LOCAL[0]
+
+
+_UNSET: Any = object()
 
 
 class DirectAllreduce:
@@ -73,14 +112,26 @@ class DirectAllreduce:
     ``into`` (Gloo's ring reading the tensor, writing the result), run by the calling thread."""
 
     def __init__(self, local: bool = False, buckets: bool = False) -> None:
-        self.entry = entry("horovod_hvdp_direct_allreduce_from", ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
-                           ctypes.c_int)
+        self._entry = _UNSET  # resolved at the first use, after Horovod's init (:func:`controller_entry`)
         self.local = local  # through shared memory where every rank is on this machine (:mod:`.shm`)
         self.buckets = buckets  # from a gradient bucket's threshold there, instead of a call's
 
+    @property
+    def entry(self) -> Any:
+        """``horovod_hvdp_direct_allreduce_from`` on this job's controller (:func:`controller_entry`)."""
+        if self._entry is _UNSET:
+            self._entry = controller_entry("horovod_hvdp_direct_allreduce_from", ctypes.c_void_p, ctypes.c_longlong,
+                                           ctypes.c_int, ctypes.c_int)
+        return self._entry
+
+    @entry.setter
+    def entry(self, value: Any) -> None:
+        self._entry = value
+
     def usable(self) -> bool:
-        """Built in, and the job runs on Gloo (MPI jobs keep Horovod's path)."""
-        return self.entry is not None and bool(hvd.gloo_enabled())
+        """For gradients: built in, and the job runs on Gloo (an MPI job's gradients keep Horovod's path; its
+        ``hvdp.allreduce`` calls take the entry on MPI)."""
+        return self.entry is not None and controller() == "gloo"
 
     def __call__(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor] = None,
                  scale: float = 1.0) -> None:
@@ -103,7 +154,7 @@ class DirectAllreduce:
         code = self.entry(tensor.data_ptr(), out.data_ptr(), tensor.numel(),
                           _DTYPES[tensor.dtype], channel, timeout_ms(), error, len(error))
         if code == 2:
-            raise HorovodInternalError("hvdp's direct allreduce needs a Gloo job (this one runs on MPI).")
+            raise HorovodInternalError("hvdp's direct allreduce needs a Gloo or MPI job.")
         if code != 0:
             raise HorovodInternalError(error.value.decode(errors="replace"))
         if scale != 1.0:

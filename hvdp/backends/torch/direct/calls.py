@@ -1,17 +1,19 @@
-"""``hvdp.allreduce`` of whole-job CPU tensors in a Gloo job, by direct calls on Horovod's own Gloo context
-(:mod:`.allreduce`), without a round of Horovod's background loop.
+"""``hvdp.allreduce`` of whole-job CPU tensors by direct calls, without a round of Horovod's background loop: on
+Horovod's own Gloo context in a Gloo job, on MPI's own communicator (duplicated) under ``hvdp run --mpi``
+(:func:`~.allreduce.controller`, :mod:`hvdp.backends.direct_mpi`).
 
 - Up to :data:`CALL_MAX_BYTES`: one direct exchange (:class:`DirectExchange`). Every rank gets every
   rank's tensor and a header (name, dtype, shape, op), checks that they all agree, and sums them in
   rank order.
-- Larger: the headers alone by one exchange (the same check), then Gloo's ring allreduce by the
-  calling thread (``horovod_hvdp_direct_allreduce_from``), from the tensor straight into the result:
+- Larger: the headers alone by one exchange (the same check), then Gloo's ring allreduce (MPI's allreduce
+  under MPI) by the calling thread (``horovod_hvdp_direct_allreduce_from``), from the tensor straight into
+  the result (from 8 MB between ranks of one machine: through shared memory, :mod:`.shm`):
   a new tensor, or ``out=`` (Gloo copies the input in a segment at a time, overlapped with the ring's
   transfers; ``out`` the tensor itself: in place), as torch.distributed's Gloo allreduce does.
 
 Both apply to sums and averages (floating point for an average) of tensors that need no gradient.
 
-**Every call agrees first.** In a Gloo job of 2 to :data:`CALL_MAX_RANKS` processes with
+**Every call agrees first.** In a Gloo or MPI job of 2 to :data:`CALL_MAX_RANKS` processes with
 :data:`~.allreduce.PATH_ENV` not ``horovod``, every whole-job collective outside ``hvdp.join``
 (allreduce, allgather, broadcast, reducescatter, alltoall, grouped calls, the object collectives, barrier,
 ``broadcast_state``) starts with one header exchange: the call's kind, op, dtype, shape, root and name, and
@@ -77,19 +79,21 @@ class DirectExchange:
     """
 
     def __init__(self) -> None:
-        self.entry = exchange_entry()
+        self.entry: Any = None  # resolved by usable(), after Horovod's init (:func:`~.allreduce.exchange_entry`)
         self.inbox: Optional[torch.Tensor] = None  # every rank's place, kept from call to call
         # Its NumPy views: (ranks, capacity) bytes, and the headers' first (ranks, 5) int64.
         self.places: Any = np.empty((0, 0), dtype=np.uint8)
         self.headers: Any = np.empty((0, 5), dtype=np.int64)
         self.error = ctypes.create_string_buffer(1024)
         self.capacity = _HEADER + CALL_MAX_BYTES
-        self.gloo: Optional[bool] = None
+        self.resolved = False
 
     def usable(self) -> bool:
-        if self.gloo is None:  # the controller is fixed for the life of the process
-            self.gloo = bool(hvd.gloo_enabled())
-        return self.entry is not None and self.gloo
+        """Whether this job's controller has the exchange (Gloo's C entry, or its MPI peer): fixed for the life
+        of the process once Horovod is initialized."""
+        if not self.resolved and hvd.is_initialized():
+            self.entry, self.resolved = exchange_entry(), True
+        return self.entry is not None
 
     def agree(self, text: str, capable: bool, payload: Any = None, finished: bool = False) -> bool:
         """Every rank's header for this call (``text``, its description; and ``payload``, the tensor's values as
@@ -119,7 +123,7 @@ class DirectExchange:
             raise failure(self.error.value, self.error.value.decode(errors="replace"),
                           text.partition(" | ")[0].rpartition(" named ")[2] or "unnamed")
         if code != 0:
-            raise HorovodInternalError("hvdp's direct exchange needs a Gloo job (this one runs on MPI).")
+            raise HorovodInternalError("hvdp's direct exchange needs a Gloo or MPI job.")
         done = self.headers[:, 4]
         if done.any():
             if done.all():
@@ -233,7 +237,7 @@ _AGREED = [False]
 
 def exchanging(whole_job: bool, joining: bool) -> bool:
     """Whether a collective starts with the header exchange (module docstring): a whole-job call outside
-    ``hvdp.join`` in a Gloo job of 2 to :data:`CALL_MAX_RANKS` processes on the direct path."""
+    ``hvdp.join`` in a Gloo or MPI job of 2 to :data:`CALL_MAX_RANKS` processes on the direct path."""
     return (whole_job and not joining and 2 <= hvd.size() <= CALL_MAX_RANKS and chosen_path() == "direct"
             and _EXCHANGE.usable())
 
