@@ -1,15 +1,12 @@
 """The contract every framework backend implements.
 
-A backend is a small class named ``Backend`` in ``hvdp/backends/<framework>/__init__.py``.
-It may also offer framework-specific extras beside the contract, declared in
-:class:`Extras` and named in its ``extras`` (``sync_batch_norm`` on torch,
-``distributed_gradient_tape`` on TensorFlow); the facade says clearly when the
-chosen framework has no such extra.
-The facade in ``hvdp/__init__.py`` validates arguments and dispatches to it; the
-backend is the only place that touches the framework and ``horovod.<framework>``.
-``tests/unit/test_backends_contract.py`` checks each backend against this Protocol.
-What both backends do alike over Horovod is written once, in :class:`HorovodJob`,
-which each ``Backend`` subclasses.
+A backend is a small class named ``Backend`` in ``hvdp/backends/<framework>/__init__.py``. It may also offer
+framework-specific extras beside the contract, declared in :class:`Extras` and named in its ``extras``
+(``sync_batch_norm`` on torch, ``distributed_gradient_tape`` on TensorFlow); the facade says clearly when the
+chosen framework has no such extra. The facade in ``hvdp/__init__.py`` validates arguments and dispatches to it;
+the backend is the only place that touches the framework and ``horovod.<framework>``.
+``tests/unit/test_backends_contract.py`` checks each backend against this Protocol. What both backends do alike
+over Horovod is written once, in :class:`HorovodJob`, which each ``Backend`` subclasses.
 
 ``process_set`` arguments are the handles the backend returned from ``init`` or
 ``add_process_set`` (Horovod's process set objects), or None for the whole job;
@@ -25,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime
 import numpy as np
 
 from hvdp import _keras_jobs
+from hvdp.backends import direct_mpi
 from hvdp.errors import FrameworkError, TrainingMismatchError
 
 #: Reductions of gradients (``DistributedOptimizer``, ``DistributedGradientTape``).
@@ -238,6 +236,8 @@ class HorovodJob:
     def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
         handles = [self._hvd.ProcessSet(ranks) for ranks in process_sets]
         self._hvd.init(comm=comm, process_sets=handles or ("dynamic" if dynamic else None))
+        if self._hvd.mpi_enabled() and not self._hvd.gloo_enabled():
+            direct_mpi.prepare(comm)  # the direct calls' MPI communicators, while every rank is here
         return handles
 
     def add_process_set(self, ranks: List[int]) -> Any:

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from hvdp import profiler
-from hvdp.backends import direct_mpi
 from hvdp.backends import keras as keras_adapter
 from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
 from hvdp.backends.torch.direct.calls import agreeing, direct_call, leave
@@ -208,12 +207,6 @@ class Backend(HorovodJob):
             f"optimizer (KERAS_BACKEND=torch), got {type(optimizer).__module__}."
             f"{type(optimizer).__name__}."
         )
-
-    def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
-        handles = super().init(comm, process_sets, dynamic)
-        if self._hvd.mpi_enabled() and not self._hvd.gloo_enabled():
-            direct_mpi.prepare(comm)  # the direct calls' MPI communicators, while every rank is here
-        return handles
 
     def join(self) -> int:
         if not self.joining:  # the end of the job: ranks still training on the direct path get zeros from this one,

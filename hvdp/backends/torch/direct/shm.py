@@ -130,7 +130,7 @@ class SharedMemory:
     def __call__(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor],
                  ring: Callable[[], None], scale: float = 1.0) -> None:
         """The sum of every rank's ``tensor`` (contiguous) times ``scale`` into ``into`` (or in place); ``ring``
-        runs Gloo's ring instead where this channel's memory could not be had."""
+        runs the ring instead (Gloo's, or MPI's allreduce) where this channel's memory could not be had."""
         state = self.channels.setdefault(channel, _Channel())
         nbytes = tensor.numel() * tensor.element_size()
         state.calls += 1
@@ -239,7 +239,8 @@ def said_fallback(total: int, ranks: List[int], why: str, rank: int) -> None:
     _SAID[0] = True
     print(f"hvdp: rank {', '.join(map(str, ranks))} could not reserve {total / (1 << 20):.0f} MiB of shared memory "
           f"in {SHM_DIR}{f' ({why})' if why else ''}: ranks on one machine reduce tensors of this size through "
-          f"Gloo's ring instead (same results, slower). Fix: give {SHM_DIR} more room (a container: "
+          f"{'MPI' if hvd.mpi_enabled() and not hvd.gloo_enabled() else 'Gloo'}'s ring instead (same results, "
+          f"slower). Fix: give {SHM_DIR} more room (a container: "
           f"--shm-size=1g, Compose: shm_size), or set {SHM_ENV}=0 to skip shared memory.", file=sys.stderr, flush=True)
 
 
