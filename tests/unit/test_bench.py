@@ -502,3 +502,31 @@ def test_each_framework_builds_the_models_in_its_bench_module():
         per_framework.build("torch", "vgg")
     with pytest.raises(BenchError, match="no framework 'jax'; expected one of: torch, tensorflow"):
         per_framework.load("jax")
+
+
+def test_every_committed_results_file_prints_its_tables_with_its_heading():
+    """scripts/results_table.py on each file under docs/results/: the heading names the command, the commit and
+    the sample count; a row for every contender, every ratio and every target, and the allreduce sweep where run;
+    and docs/results/README.md lists the file."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("results_table", root / "scripts" / "results_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    files = sorted((root / "docs" / "results").glob("*.json"))
+    assert files, "no results file committed"
+    listed = (root / "docs" / "results" / "README.md").read_text()
+    for path in files:
+        results = json.loads(path.read_text())
+        head = table.heading(path.name, results)
+        assert results["versions"]["hvdp_commit"] in head[1] and f"{len(results['samples'])} samples" in head[1]
+        lines = table.markdown(results["summary"])
+        for group in results["summary"]["groups"]:
+            for label in group["contenders"]:
+                assert any(f"| {label} |" in line for line in lines), (path.name, label)
+        for target in results["summary"]["targets"]:
+            assert any(line.startswith(f"| {target['name']} |") for line in lines), (path.name, target["name"])
+        for label in (results["summary"].get("allreduce") or {}).get("impls", {}):
+            assert any(line.startswith(f"| {label} |") for line in lines), (path.name, label)
+        assert f"[{path.name}]({path.name})" in listed, f"docs/results/README.md does not list {path.name}"
