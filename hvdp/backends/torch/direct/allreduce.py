@@ -104,7 +104,8 @@ def local_memory() -> Optional[SharedMemory]:
     return _LOCAL[0]
 
 
-_UNSET: Any = object()
+#: An entry not yet looked up (it is, at its first use after Horovod's init).
+UNRESOLVED: Any = object()
 
 
 class DirectAllreduce:
@@ -112,14 +113,16 @@ class DirectAllreduce:
     ``into`` (Gloo's ring reading the tensor, writing the result), run by the calling thread."""
 
     def __init__(self, local: bool = False, buckets: bool = False) -> None:
-        self._entry = _UNSET  # resolved at the first use, after Horovod's init (:func:`controller_entry`)
+        self._entry = UNRESOLVED  # resolved at the first use, after Horovod's init (:func:`controller_entry`)
         self.local = local  # through shared memory where every rank is on this machine (:mod:`.shm`)
         self.buckets = buckets  # from a gradient bucket's threshold there, instead of a call's
 
     @property
     def entry(self) -> Any:
         """``horovod_hvdp_direct_allreduce_from`` on this job's controller (:func:`controller_entry`)."""
-        if self._entry is _UNSET:
+        if self._entry is UNRESOLVED:
+            if not hvd.is_initialized():
+                return None
             self._entry = controller_entry("horovod_hvdp_direct_allreduce_from", ctypes.c_void_p, ctypes.c_longlong,
                                            ctypes.c_int, ctypes.c_int)
         return self._entry

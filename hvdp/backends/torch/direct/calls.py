@@ -41,6 +41,7 @@ from horovod.common.exceptions import HorovodInternalError
 
 from hvdp.backends.direct import CHANNELS
 from hvdp.backends.torch.direct.allreduce import (
+    UNRESOLVED,
     DirectAllreduce,
     chosen_path,
     exchange_entry,
@@ -79,20 +80,29 @@ class DirectExchange:
     """
 
     def __init__(self) -> None:
-        self.entry: Any = None  # resolved by usable(), after Horovod's init (:func:`~.allreduce.exchange_entry`)
+        self._entry: Any = UNRESOLVED  # resolved at the first use after Horovod's init (:attr:`entry`)
         self.inbox: Optional[torch.Tensor] = None  # every rank's place, kept from call to call
         # Its NumPy views: (ranks, capacity) bytes, and the headers' first (ranks, 5) int64.
         self.places: Any = np.empty((0, 0), dtype=np.uint8)
         self.headers: Any = np.empty((0, 5), dtype=np.int64)
         self.error = ctypes.create_string_buffer(1024)
         self.capacity = _HEADER + CALL_MAX_BYTES
-        self.resolved = False
+
+    @property
+    def entry(self) -> Any:
+        """``horovod_hvdp_direct_exchange`` on this job's controller (:func:`~.allreduce.exchange_entry`: Gloo's
+        C entry, or its MPI peer); None before Horovod's init."""
+        if self._entry is UNRESOLVED:
+            if not hvd.is_initialized():
+                return None
+            self._entry = exchange_entry()  # the controller is fixed for the life of the process
+        return self._entry
+
+    @entry.setter
+    def entry(self, value: Any) -> None:
+        self._entry = value
 
     def usable(self) -> bool:
-        """Whether this job's controller has the exchange (Gloo's C entry, or its MPI peer): fixed for the life
-        of the process once Horovod is initialized."""
-        if not self.resolved and hvd.is_initialized():
-            self.entry, self.resolved = exchange_entry(), True
         return self.entry is not None
 
     def agree(self, text: str, capable: bool, payload: Any = None, finished: bool = False) -> bool:
