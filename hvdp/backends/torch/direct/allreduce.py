@@ -3,11 +3,12 @@
 hvdp's Horovod build adds C entries (:data:`hvdp.horovod_build.direct_patches.DIRECT_ALLREDUCE`): a
 sum-allreduce in place or from an input into an output (``horovod_hvdp_direct_allreduce_from``) and an
 exchange of every rank's message with every rank (``horovod_hvdp_direct_exchange``), each call on a
-Gloo tag of its own. Here: their Python
-side on torch, with its failures' one error (:func:`failure`; the stall timeout, the switch and the quiet loop are
-every framework's: :mod:`hvdp.backends.direct`), the sender thread of torch's gradient path (:mod:`.gradients`), and a
-Keras optimizer's gradients on the torch backend reduced together (:class:`DirectGroup`). ``hvdp.allreduce``'s direct
-forms: :mod:`.calls`.
+Gloo tag of its own; under MPI, their peer with the same arguments (:mod:`hvdp.backends.direct_mpi`), which
+:func:`controller_entry` returns there for the calls (the gradients keep Horovod's path under MPI). Here: their
+Python side on torch, with its failures' one error (:func:`failure`; the stall timeout, the switch and the quiet
+loop are every framework's: :mod:`hvdp.backends.direct`), the sender thread of torch's gradient path
+(:mod:`.gradients`), and a Keras optimizer's gradients on the torch backend reduced together
+(:class:`DirectGroup`). ``hvdp.allreduce``'s direct forms: :mod:`.calls`.
 """
 
 from __future__ import annotations
