@@ -9,7 +9,7 @@ direct path: test_faults.py; ranks with different numbers of steps: test_core.py
 from __future__ import annotations
 
 import pytest
-from harness import max_abs_diff, run_worker
+from harness import WORKERS, max_abs_diff, run_job, run_worker
 
 CASES = ("average", "sum", "predivide", "two passes", "no_sync", "graph change", "in place", "in place, sum",
          "in place, two passes", "in place, graph change", "two lanes", "two lanes, two passes",
@@ -29,6 +29,17 @@ def calls_job(request, tmp_path_factory):
     if request.param == "gloo":
         return request.getfixturevalue("job")
     return run_worker("direct_calls_mpi.py", "mpi", "torch", tmp_path_factory.mktemp("direct_mpi"))
+
+
+def test_under_mpi_without_mpi4py_rank_0_says_why_once_and_the_calls_keep_horovods_path(tmp_path):
+    job = run_job(["--mpi", "--framework", "torch", str(WORKERS / "direct_calls_mpi.py"), "without-mpi4py"], tmp_path)
+    assert job.returncode == 0, job.why()
+    said = [line for line in job.output.splitlines() if "take Horovod's path: mpi4py is not installed" in line]
+    assert len(said) == 1 and "pip install 'hvdp[mpi]'" in said[0], job.output[-3000:]
+    assert [r["rank"] for r in job.ranks] == [0, 1], job.why()
+    for r in job.ranks:
+        assert r["controller"] == "" and r["total"] == [3.0] * 4, r
+        assert r["mismatch"].startswith("TensorMismatchError: "), r  # Horovod's negotiation refuses it there
 
 
 def test_the_calls_go_direct_on_the_jobs_controller_and_only_gloos_gradients_do(calls_job, request):
