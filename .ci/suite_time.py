@@ -78,8 +78,9 @@ def main(argv=None) -> int:
             for line in lines:
                 print(f"[ci]     {line}")
     limit = args.budget * (1 + args.margin)
-    print(f"[ci] the suite: {len(cases)} tests in {total:.0f} s (budget {args.budget:.0f} s, "
-          f"failing above {limit:.0f} s)")
+    lanes = sum(seconds for seconds, _ in cases)
+    print(f"[ci] the suite: {len(cases)} tests in {total:.0f} s of wall time (budget {args.budget:.0f} s, "
+          f"failing above {limit:.0f} s); their own times add up to {lanes:.0f} s (the lanes side by side)")
     if total > limit:
         print(f"[ci] FAILED: the suite took {total:.0f} s, over its budget of {args.budget:.0f} s by more than "
               f"{args.margin:.0%}. Group the new checks into shared jobs (docs/contributing.md) or raise the budget "

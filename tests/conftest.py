@@ -1,22 +1,85 @@
 """Markers by tier, from where a test lives: ``-m unit`` (one process, fast), ``-m parallel`` (real jobs
 under a launcher), ``-m cluster`` (network namespaces, sshd, Slurm; root), ``-m docs`` (the blocks of README.md
-and docs/*.md)."""
+and docs/*.md).
+
+``make test`` runs the suite in two lanes (pytest-xdist, ``-n 2 --dist loadfile``): each test file is one
+group, run whole by one lane, so a module's shared job or fixture is made once; the files that start a
+cluster engine or own machine-wide names (tests/cluster: network namespaces, sshd, Slurm, podman, Ray's
+``ray start``; tests/parallel/test_ray.py: a local Ray cluster) are one group, run one after another in
+one lane, never beside each other."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
 
 import pytest
 
 TIERS = ("unit", "parallel", "cluster", "docs")
+#: The lane group of the files that start a cluster engine or own machine-wide names (see above).
+ENGINES = "engines"
+#: Files outside tests/cluster that belong to the engines' group.
+ENGINE_FILES = ("parallel/test_ray.py",)
+#: The order the groups start in: the engines' (the longest), then the tiers of jobs, the one-process files last,
+#: where they even out the two lanes' ends; within a tier the group of the most tests first.
+TIER_ORDER = ("cluster", "parallel", "docs", "unit")
+
+
+def lane_group(relative: Path) -> str:
+    """The lane group of a test file given relative to tests/: the file, or the engines' group."""
+    if relative.parts[0] == "cluster" or relative.as_posix() in ENGINE_FILES:
+        return ENGINES
+    return relative.as_posix()
+
+
+def _relative(item: pytest.Item) -> Optional[Path]:
+    try:
+        return Path(str(item.fspath)).resolve().relative_to(Path(__file__).resolve().parent)
+    except ValueError:
+        return None
 
 
 def pytest_collection_modifyitems(items: list) -> None:
-    here = Path(__file__).resolve().parent
     for item in items:
-        try:
-            tier = Path(str(item.fspath)).resolve().relative_to(here).parts[0]
-        except ValueError:
-            continue
-        if tier in TIERS:
-            item.add_marker(getattr(pytest.mark, tier))
+        relative = _relative(item)
+        if relative is not None and relative.parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, relative.parts[0]))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` (make test's): xdist's scheduling by file, with the engines' files as one group."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = Path(nodeid.split("::", 1)[0])
+            return lane_group(path.relative_to("tests") if path.parts[:1] == ("tests",) else path)
+
+        def schedule(self) -> None:  # xdist's, with the groups queued in TIER_ORDER
+            if self.collection is not None or not self._check_nodes_have_same_collection():
+                return super().schedule()
+            self.collection = list(next(iter(self.registered_collections.values())))
+            units: Dict[str, Dict[str, bool]] = {}
+            for nodeid in self.collection:
+                units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+
+            def rank(scope: str) -> Tuple[int, int]:
+                tier = "cluster" if scope == ENGINES else scope.split("/", 1)[0]
+                return (TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER), -len(units[scope]))
+
+            for scope in sorted(units, key=rank):
+                self.workqueue[scope] = units[scope]
+            for _ in range(len(self.nodes) - len(self.workqueue)):  # more lanes than groups
+                self.assigned_work.popitem()[0].shutdown()
+            for node in self.nodes:
+                self._assign_work_unit(node)
+            for node in self.nodes:
+                self._reschedule(node)
+            if not self.workqueue:
+                for node in self.nodes:
+                    node.shutdown()
+            return None
+
+    return LaneScheduling(config, log)

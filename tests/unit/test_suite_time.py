@@ -3,6 +3,7 @@ slowest tests and the time per file, and fails when the total passes the budget 
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ def test_the_total_within_the_margin_passes_and_past_it_fails_saying_what_to_do(
                                                      ("test_data_path", "c"): 300.0})
     within = suite_time(junit, "--budget", "600", "--margin", "1.0")
     assert within.returncode == 0, within.stdout
-    assert "the suite: 3 tests in 1000 s (budget 600 s, failing above 1200 s)" in within.stdout
+    assert ("the suite: 3 tests in 1000 s of wall time (budget 600 s, failing above 1200 s); their own times add "
+            "up to 1000 s") in within.stdout
     assert "700.0 s  tests/parallel/test_core.py" in within.stdout  # the time per file
     assert within.stdout.index("500.0 s  tests.parallel.test_core::a") < within.stdout.index("300.0 s")
     past = suite_time(junit, "--budget", "400", "--margin", "1.0")
@@ -56,3 +58,22 @@ def test_failed_and_errored_tests_are_listed_with_the_lines_that_say_why(tmp_pat
     assert "[ci] FAILED tests.unit.test_x::test_b" in out
     assert "test_c" not in out.split("failed or errored")[1]
     assert "(collection)" in out and "\n[ci]      0.0 s  .py" not in out  # a report without a module
+
+
+def test_two_lanes_the_wall_time_is_the_total(tmp_path):
+    junit = report(tmp_path / "junit.xml", 600.0, {("test_core", "a[gloo]"): 500.0, ("test_ray", "b"): 300.0})
+    out = suite_time(junit, "--budget", "500", "--margin", "0.5")
+    assert out.returncode == 0, out.stdout  # 600 s of wall time, within 750, though the tests add up to 800
+    assert "2 tests in 600 s of wall time" in out.stdout and "add up to 800 s (the lanes side by side)" in out.stdout
+    assert "500.0 s  tests.parallel.test_core::a[gloo]\n" in out.stdout
+
+
+def test_each_file_is_a_lane_of_its_own_and_the_engines_share_one():
+    spec = importlib.util.spec_from_file_location("suite_conftest", REPO / "tests" / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    assert conftest.lane_group(Path("parallel/test_core.py")) == "parallel/test_core.py"
+    assert conftest.lane_group(Path("unit/test_lint.py")) == "unit/test_lint.py"
+    assert {conftest.lane_group(Path(p)) for p in ("cluster/test_compose.py", "cluster/test_slurm.py",
+                                                   "parallel/test_ray.py")} == {"engines"}
