@@ -6,7 +6,8 @@ and docs/*.md).
 group, run whole by one lane, so a module's shared job or fixture is made once; the files that start a
 cluster engine or own machine-wide names (tests/cluster: network namespaces, sshd, Slurm, podman, Ray's
 ``ray start``; tests/parallel/test_ray.py: a local Ray cluster) are one group, run one after another in
-one lane, never beside each other."""
+one lane, never beside each other; the files that compare the ranks' timings (``ALONE_FILES``) run last, with
+the other lane idle."""
 
 from __future__ import annotations
 
@@ -20,15 +21,21 @@ TIERS = ("unit", "parallel", "cluster", "docs")
 ENGINES = "engines"
 #: Files outside tests/cluster that belong to the engines' group.
 ENGINE_FILES = ("parallel/test_ray.py",)
+#: The lane group of the files that compare the ranks' timings, which another lane's jobs would skew: they run
+#: last, with the other lane idle.
+ALONE = "alone"
+ALONE_FILES = ("parallel/test_profiler_balanced.py",)
 #: The order the groups start in: the engines' (the longest), then the tiers of jobs, the one-process files last,
 #: where they even out the two lanes' ends; within a tier the group of the most tests first.
 TIER_ORDER = ("cluster", "parallel", "docs", "unit")
 
 
 def lane_group(relative: Path) -> str:
-    """The lane group of a test file given relative to tests/: the file, or the engines' group."""
+    """The lane group of a test file given relative to tests/: the file, the engines' group or the one run alone."""
     if relative.parts[0] == "cluster" or relative.as_posix() in ENGINE_FILES:
         return ENGINES
+    if relative.as_posix() in ALONE_FILES:
+        return ALONE
     return relative.as_posix()
 
 
@@ -67,19 +74,47 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
             def rank(scope: str) -> Tuple[int, int]:
                 tier = "cluster" if scope == ENGINES else scope.split("/", 1)[0]
-                return (TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER), -len(units[scope]))
+                place = len(TIER_ORDER) + 1 if scope == ALONE else (
+                    TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER))
+                return (place, -len(units[scope]))
 
             for scope in sorted(units, key=rank):
                 self.workqueue[scope] = units[scope]
             for _ in range(len(self.nodes) - len(self.workqueue)):  # more lanes than groups
                 self.assigned_work.popitem()[0].shutdown()
             for node in self.nodes:
-                self._assign_work_unit(node)
+                if self.workqueue and next(iter(self.workqueue)) != ALONE:
+                    self._assign_work_unit(node)
             for node in self.nodes:
                 self._reschedule(node)
             if not self.workqueue:
                 for node in self.nodes:
                     node.shutdown()
             return None
+
+        #: The lane that runs the group run alone, once the other lanes are shut down.
+        keeper: Any = None
+
+        def _reschedule(self, node: Any) -> None:
+            if not self.workqueue or node.shutting_down or next(iter(self.workqueue)) != ALONE:
+                return super()._reschedule(node)
+            # A lane keeps its last test until it gets more or is shut down (pytest needs the next item to tear
+            # down): every lane at its last test means the other groups are all out; end the other lanes.
+            if self.keeper is None and all(self._pending_of(work) <= 1 for work in self.assigned_work.values()):
+                self.keeper = node
+                for other in self.nodes:
+                    if other is not node:
+                        other.shutdown()
+            self._run_alone()
+            return None
+
+        def remove_node(self, node: Any) -> Any:
+            crashed = super().remove_node(node)
+            self._run_alone()
+            return crashed
+
+        def _run_alone(self) -> None:
+            if self.keeper is not None and self.nodes == [self.keeper] and self.workqueue:
+                self._assign_work_unit(self.keeper)
 
     return LaneScheduling(config, log)

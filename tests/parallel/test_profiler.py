@@ -1,7 +1,8 @@
 """hvdp run --profile + hvdp report on real 2-process jobs: the report names the straggler and why.
 
 Rank 1 is made a straggler by a 150 ms sleep in its data phase (input skew) or by 150 ms
-of extra matrix products in its compute phase (compute skew); a balanced run names no one."""
+of extra matrix products in its compute phase (compute skew); a balanced run names no one
+(test_profiler_balanced.py, run with no other test beside it)."""
 
 from __future__ import annotations
 
@@ -42,10 +43,3 @@ def test_compute_skew_names_rank_1(framework, tmp_path):
     data = profile(framework, "compute_skew", tmp_path)
     assert data["diagnosis"]["verdict"] == "compute skew", data["diagnosis"]
     assert data["diagnosis"]["stragglers"] == [1]
-
-
-@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_balanced_run_names_no_straggler(framework, tmp_path):
-    data = profile(framework, "balanced", tmp_path)
-    assert data["diagnosis"]["stragglers"] == [], data["diagnosis"]
-    assert data["diagnosis"]["verdict"] in ("balanced", "synchronization")

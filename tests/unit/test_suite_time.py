@@ -68,7 +68,7 @@ def test_two_lanes_the_wall_time_is_the_total(tmp_path):
     assert "500.0 s  tests.parallel.test_core::a[gloo]\n" in out.stdout
 
 
-def test_each_file_is_a_lane_of_its_own_and_the_engines_share_one():
+def test_each_file_is_a_lane_group_the_engines_share_one_and_the_timing_comparison_runs_alone():
     spec = importlib.util.spec_from_file_location("suite_conftest", REPO / "tests" / "conftest.py")
     assert spec is not None and spec.loader is not None
     conftest = importlib.util.module_from_spec(spec)
@@ -77,3 +77,4 @@ def test_each_file_is_a_lane_of_its_own_and_the_engines_share_one():
     assert conftest.lane_group(Path("unit/test_lint.py")) == "unit/test_lint.py"
     assert {conftest.lane_group(Path(p)) for p in ("cluster/test_compose.py", "cluster/test_slurm.py",
                                                    "parallel/test_ray.py")} == {"engines"}
+    assert conftest.lane_group(Path("parallel/test_profiler_balanced.py")) == "alone"
