@@ -12,7 +12,7 @@ the other lane idle."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import pytest
 
@@ -39,18 +39,15 @@ def lane_group(relative: Path) -> str:
     return relative.as_posix()
 
 
-def _relative(item: pytest.Item) -> Optional[Path]:
-    try:
-        return Path(str(item.fspath)).resolve().relative_to(Path(__file__).resolve().parent)
-    except ValueError:
-        return None
-
-
 def pytest_collection_modifyitems(items: list) -> None:
+    here = Path(__file__).resolve().parent
     for item in items:
-        relative = _relative(item)
-        if relative is not None and relative.parts[0] in TIERS:
-            item.add_marker(getattr(pytest.mark, relative.parts[0]))
+        try:
+            tier = Path(str(item.fspath)).resolve().relative_to(here).parts[0]
+        except ValueError:
+            continue
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -59,39 +56,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    def rank(scope: str) -> int:  # a stable sort: within a tier, xdist's order (the group of most tests first)
+        tier = "cluster" if scope == ENGINES else scope.split("/", 1)[0]
+        if scope == ALONE:
+            return len(TIER_ORDER) + 1
+        return TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER)
+
     class LaneScheduling(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             path = Path(nodeid.split("::", 1)[0])
             return lane_group(path.relative_to("tests") if path.parts[:1] == ("tests",) else path)
 
-        def schedule(self) -> None:  # xdist's, with the groups queued in TIER_ORDER
-            if self.collection is not None or not self._check_nodes_have_same_collection():
-                return super().schedule()
-            self.collection = list(next(iter(self.registered_collections.values())))
-            units: Dict[str, Dict[str, bool]] = {}
-            for nodeid in self.collection:
-                units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # xdist queued the groups by size: put them in TIER_ORDER, the one run alone last
+                for scope in sorted(self.workqueue, key=rank):
+                    self.workqueue.move_to_end(scope)
+                self.ordered = True
+            if next(iter(self.workqueue)) == ALONE and node is not self.keeper:
+                return  # the group run alone goes to the keeper only, once the other lanes are down
+            super()._assign_work_unit(node)
 
-            def rank(scope: str) -> Tuple[int, int]:
-                tier = "cluster" if scope == ENGINES else scope.split("/", 1)[0]
-                place = len(TIER_ORDER) + 1 if scope == ALONE else (
-                    TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER))
-                return (place, -len(units[scope]))
-
-            for scope in sorted(units, key=rank):
-                self.workqueue[scope] = units[scope]
-            for _ in range(len(self.nodes) - len(self.workqueue)):  # more lanes than groups
-                self.assigned_work.popitem()[0].shutdown()
-            for node in self.nodes:
-                if self.workqueue and next(iter(self.workqueue)) != ALONE:
-                    self._assign_work_unit(node)
-            for node in self.nodes:
-                self._reschedule(node)
-            if not self.workqueue:
-                for node in self.nodes:
-                    node.shutdown()
-            return None
-
+        ordered = False
         #: The lane that runs the group run alone, once the other lanes are shut down.
         keeper: Any = None
 

@@ -33,8 +33,6 @@ def without_mpi4py() -> None:
 
 
 def main() -> None:
-    if sys.argv[1:] == ["without-mpi4py"]:
-        return without_mpi4py()
     hvdp.init(framework="torch")
     record: Dict[str, Any] = {"rank": hvdp.rank(), "size": hvdp.size(),
                               "controller": direct_allreduce.controller(),
@@ -48,4 +46,6 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["without-mpi4py"]:
         sys.modules["mpi4py"] = None  # type: ignore[assignment]  # import mpi4py now raises ImportError
-    main()
+        without_mpi4py()
+    else:
+        main()
