@@ -193,6 +193,8 @@ def load_backend(name: str) -> "Backend":
                 "Horovod is not installed in this environment. "
                 "Build and install it for the installed frameworks: hvdp build."
             ) from exc
+        if (getattr(exc, "name", None) or "").split(".")[0] == "hvdp":
+            raise  # one of hvdp's own modules: its error as it is, not a fault of the framework's install
         if "horovod" in str(exc):
             raise FrameworkError(
                 f"Horovod is installed but its {name} support cannot be loaded ({exc}). "

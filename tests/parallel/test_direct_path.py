@@ -55,7 +55,10 @@ def test_direct_path_matches_horovods_on_every_rank(job, case):
     for r in job.ranks:
         direct, horovod = r["cases"][case]["direct"], r["cases"][case]["horovod"]
         assert max_abs_diff(direct["params"], horovod["params"]) <= 1e-5, (r["rank"], case)
-        assert horovod["counts"] is None and horovod["modes"] == [None] * STEPS  # the switch: Horovod's path only
+        # the switch: Horovod's path only, every step
+        assert (horovod["path"], horovod["modes"]) == ("horovod", ["horovod"] * STEPS), (r["rank"], case)
+        assert horovod["counts"] == {"direct": 0, "horovod": STEPS, "changes": 0}, (r["rank"], case)
+        assert direct["path"] == "direct", (r["rank"], case)
         digests.add(direct["digest"])
         # one bucket gathering every gradient; or the two hidden weights in place (in the order backward makes
         # them) and the rest gathered last; or two small gathered buckets, on the two sender lanes

@@ -73,3 +73,20 @@ def test_a_direct_calls_failure_is_one_error_a_stall_when_it_timed_out(capsys, m
     other = direct.failure(RuntimeError("Connection reset by peer"), "the call failed", "x", 1, 2)
     assert type(other) is HorovodInternalError and not isinstance(other, hvdp.StallError)
     assert capsys.readouterr().err == ""
+
+
+def test_both_gradient_paths_implement_the_one_contract_with_its_signatures():
+    """Horovod's path and the direct path are peers behind GradientPath: the same methods, the same signatures,
+    and the optimizer wrapper takes either."""
+    from hvdp.backends.base import GradientPath
+    from hvdp.backends.torch.direct.gradients import DirectGradients
+    from hvdp.backends.torch.gradients import HorovodPath, reduce_at_backward_end
+
+    wanted = {name: inspect.signature(member) for name, member in vars(GradientPath).items()
+              if callable(member) and not name.startswith("_")}
+    assert set(wanted) == {"reduces", "watch", "synchronize", "hold", "release"}
+    for peer, name in ((HorovodPath, "horovod"), (DirectGradients, "direct")):
+        assert peer.name == name
+        for method, signature in wanted.items():
+            assert inspect.signature(getattr(peer, method)) == signature, (peer.__name__, method)
+    assert inspect.signature(reduce_at_backward_end).parameters["path"].annotation == "GradientPath"

@@ -89,6 +89,18 @@ def test_missing_horovod_gives_the_fix(monkeypatch, tmp_path):
         _runtime.load_backend("torch")
 
 
+def test_an_import_error_in_hvdps_own_modules_is_not_blamed_on_the_framework(monkeypatch, tmp_path):
+    # What a backend module raises when one of hvdp's modules lacks a name it imports (a stale install, a bug).
+    (tmp_path / "hvdp_stale_backend.py").write_text(
+        "raise ImportError(\"cannot import name 'gone' from 'hvdp.backends.torch.gradients'\", "
+        "name='hvdp.backends.torch.gradients')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with_backend_module(monkeypatch, "hvdp_stale_backend")
+    with pytest.raises(ImportError, match="cannot import name 'gone'") as raised:
+        _runtime.load_backend("torch")
+    assert not isinstance(raised.value, hvdp.FrameworkError), raised.value  # no "Reinstall torch"
+
+
 @pytest.mark.parametrize("call", [hvdp.rank, hvdp.size, hvdp.local_rank, hvdp.framework,
                                   lambda: hvdp.allreduce(1.0), lambda: hvdp.shard(10),
                                   lambda: hvdp.DistributedOptimizer(object())])

@@ -23,10 +23,10 @@ from hvdp.backends.base import REDUCE_OPS, HorovodJob, reduction_plan
 from hvdp.backends.torch.direct.calls import agreeing, direct_call, leave
 from hvdp.backends.torch.direct.gradients import direct_gradients, serve_until_finished
 from hvdp.backends.torch.gradients import (
+    HorovodPath,
     broadcast_buffers_before_forward,
     complete,
     reduce_at_backward_end,
-    sleeping_synchronize,
     sparse_gradients,
 )
 from hvdp.backends.torch.keras import keras_optimizer
@@ -185,17 +185,15 @@ class Backend(HorovodJob):
                 groups=groups,
             )
             _share_state(wrapped, optimizer)
+            horovods = HorovodPath(wrapped)
             if op == "adasum":  # Adasum reduces the update inside step(), not the gradients
-                wrapped.synchronize = profiler.timed(sleeping_synchronize(wrapped))
+                wrapped.synchronize = profiler.timed(horovods.synchronize)
                 return wrapped
             sparse = model is not None and any(getattr(m, "sparse", False) for m in model.modules())
-            direct = direct_gradients(wrapped, named, plan, compression, groups, horovod_set, sparse,
+            direct = direct_gradients(horovods, named, plan, compression, groups, horovod_set, sparse,
                                       lambda: self.joining)
-            synchronize = sleeping_synchronize(wrapped)
             # The wait for the gradient allreduces in synchronize() is phase "sync", on either path.
-            wrapped.synchronize = profiler.timed(synchronize if direct is None else direct.synchronize(synchronize))
-            wrapped.gradient_path = direct
-            return reduce_at_backward_end(wrapped, direct)
+            return reduce_at_backward_end(wrapped, horovods if direct is None else direct)
         if keras_adapter.is_keras_optimizer(optimizer):
             if shard_optimizer_state:
                 return keras_adapter.shard_optimizer(optimizer, *plan, compression, horovod_set,

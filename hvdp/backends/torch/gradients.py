@@ -8,6 +8,11 @@ user expects. :func:`reduce_at_backward_end` keeps Horovod's hooks (the overlap 
 communication with the rest of backward) and adds one callback at the end of each
 backward pass (autograd's ``queue_callback``, where DDP's reducer finishes too) that
 waits for the allreduces and writes the averages into ``.grad``.
+
+How a pass's gradients travel is a :class:`hvdp.backends.base.GradientPath`, the one contract between the
+optimizer wrapper and a path: :class:`HorovodPath` (Horovod's hooks, negotiation and
+fusion buffer) or :class:`hvdp.backends.torch.direct.gradients.DirectGradients` (fixed
+buckets by direct calls, learnt on Horovod's path). The wrapper speaks only to it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Any, Callable, Iterator
 import horovod.torch as hvd
 import torch
 
+from hvdp import profiler
+from hvdp.backends.base import GradientPath
 from hvdp.backends.torch.direct.allreduce import quiet_loop
 
 #: Longest sleep between two polls of an unfinished collective (seconds).
@@ -73,22 +80,75 @@ def complete(*handles: Any) -> Any:
     return results[0] if len(results) == 1 else results
 
 
-def sleeping_synchronize(optimizer: Any) -> Any:
-    """``optimizer.synchronize`` that wakes Horovod's loop, then waits for the gradient allreduces with :func:`wait`.
+#: A countdown Horovod's hooks never bring to zero: their allreduce is not started.
+HELD = 1 << 40
 
-    By the end of backward (or ``step()``) every gradient is enqueued: the wake
-    saves the rest of the cycle the last ones would otherwise wait out.
-    """
-    synchronize = optimizer.synchronize
 
-    def wait_then_synchronize() -> Any:
+class HorovodPath:
+    """Horovod's own path (a :class:`hvdp.backends.base.GradientPath`): its optimizer's hooks start each
+    gradient's allreduce through its negotiation and fusion buffer; :meth:`synchronize` wakes its loop and
+    waits for them, sleeping between polls (:func:`wait`). The only place that reaches into Horovod's
+    optimizer (``_allreduce_delay``, ``_handles``, ``_grad_accs``); the direct path learns through it."""
+
+    name = "horovod"
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self._synchronize = optimizer.synchronize  # Horovod's, before the wrapper's
+        self.mode = "horovod"
+        self.counts = {"direct": 0, "horovod": 0, "changes": 0}
+        #: The loop's usual rounds at each pass (set off by a path that keeps it quiet on its own steps).
+        self.leads = True
+
+    def reduces(self) -> bool:
+        return bool(self.optimizer._grad_accs)
+
+    def watch(self, final_pass: Callable[[], bool], pass_started: Callable[[], None]) -> None:
+        def started(*_: Any) -> None:
+            pass_started()
+            if self.leads:  # this optimizer's gradients take Horovod's path: its loop's usual rounds
+                quiet_loop(False)
+
+        for accumulator in self.optimizer._grad_accs:
+            accumulator.register_hook(started)
+
+    def synchronize(self) -> Any:
+        """Wake Horovod's loop (every gradient is enqueued by now: the wake saves the rest of the cycle the
+        last ones would otherwise wait out), wait for the allreduces, then Horovod's ``synchronize``."""
         wake()
-        for handle, _ in list(optimizer._handles.values()):
+        for handle, _ in list(self.optimizer._handles.values()):
             if handle is not None and not callable(handle):
                 wait(handle)
-        return synchronize()
+        result = self._synchronize()
+        self.counts["horovod"] += 1
+        return result
 
-    return wait_then_synchronize
+    def hold(self) -> None:
+        delays = self.optimizer._allreduce_delay
+        for parameter in delays:
+            delays[parameter] += HELD
+
+    def release(self) -> None:
+        self.restore()
+        for key in [key for key, (handle, _) in self.optimizer._handles.items() if handle is None]:
+            del self.optimizer._handles[key]
+
+    # -- for the direct path, which takes over some gradients and learns on this path --------------
+
+    def skip(self, parameter: torch.nn.Parameter) -> None:
+        """This pass, ``parameter``'s gradient goes another way: its Horovod hook (which runs after the
+        caller's) does not start an allreduce."""
+        self.optimizer._allreduce_delay[parameter] = HELD
+
+    def restore(self) -> None:
+        """Every gradient on this path again, from the next pass."""
+        delays = self.optimizer._allreduce_delay
+        for parameter in delays:
+            delays[parameter] = self.optimizer.backward_passes_per_step
+
+    def forget(self) -> None:
+        """The pass's gradients were reduced another way: nothing of this path's is pending."""
+        self.optimizer._handles.clear()
 
 
 class _Passes:
@@ -101,7 +161,7 @@ class _Passes:
         self.local = False  # inside no_sync()
 
 
-def reduce_at_backward_end(optimizer: Any, direct: Any = None) -> Any:
+def reduce_at_backward_end(optimizer: Any, path: GradientPath) -> Any:
     """Give Horovod's torch ``optimizer`` DDP's gradient semantics; returns it.
 
     - At the end of each backward pass that completes ``backward_passes_per_step``
@@ -112,12 +172,12 @@ def reduce_at_backward_end(optimizer: Any, direct: Any = None) -> Any:
     - ``optimizer.no_sync()``: backward passes inside it accumulate locally; the first
       pass after it reduces the sum (DDP's ``no_sync``).
 
-    A one-process job (Horovod registers no hooks) is left as it is, with a ``no_sync``
-    that does nothing. ``direct`` (a :class:`hvdp.backends.torch.direct.gradients.DirectGradients`)
-    gets its gradient hooks here, told which passes reduce.
+    The gradients travel by ``path`` (a :class:`~hvdp.backends.base.GradientPath`), which gets its hooks
+    here, told which passes reduce; it is on ``optimizer.gradient_path``. A one-process job (Horovod registers no
+    hooks) is left as it is, with a ``no_sync`` that does nothing.
     """
     state = _Passes()
-    synchronize, step, load_state_dict = optimizer.synchronize, optimizer.step, optimizer.load_state_dict
+    synchronize, step, load_state_dict = profiler.timed(path.synchronize), optimizer.step, optimizer.load_state_dict
 
     def synchronize_once() -> Any:
         if state.reduced:
@@ -134,12 +194,10 @@ def reduce_at_backward_end(optimizer: Any, direct: Any = None) -> Any:
         if state.passes >= optimizer.backward_passes_per_step:
             synchronize_once()
 
-    def pass_started(*_: Any) -> None:
+    def pass_started() -> None:
         if not state.queued:
             state.queued, state.reduced = True, False
             torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
-            if direct is None:  # this optimizer's gradients take Horovod's path: its loop's usual rounds
-                quiet_loop(False)
 
     def step_once(closure: Any = None) -> Any:
         if state.reduced and optimizer._should_synchronize:
@@ -166,31 +224,22 @@ def reduce_at_backward_end(optimizer: Any, direct: Any = None) -> Any:
         """
         if state.local:
             raise RuntimeError("optimizer.no_sync() blocks do not nest; leave the open one first.")
-        # Horovod's hooks start a gradient's allreduce when its countdown reaches 0: keep it above.
-        delays = optimizer._allreduce_delay
         state.local = True
-        for parameter in delays:
-            delays[parameter] += 1 << 40
+        path.hold()
         try:
             yield
         finally:
             state.local = False
-            for parameter in delays:
-                delays[parameter] = optimizer.backward_passes_per_step
-            for key in [key for key, (handle, _) in optimizer._handles.items() if handle is None]:
-                del optimizer._handles[key]
+            path.release()
             state.passes = 0
 
-    optimizer.no_sync = no_sync
-    if not optimizer._grad_accs:  # one process: nothing to reduce
+    optimizer.no_sync, optimizer.gradient_path = no_sync, path
+    if not path.reduces():  # one process: nothing to reduce
+        optimizer.synchronize = synchronize
         return optimizer
     optimizer.synchronize, optimizer.step = synchronize_once, step_once
     optimizer.load_state_dict = load_state_dict_resetting
-    for accumulator in optimizer._grad_accs:
-        accumulator.register_hook(pass_started)
-    if direct is not None:
-        direct.watch(lambda: not state.local and state.passes + 1 >= optimizer.backward_passes_per_step,
-                     pass_started)
+    path.watch(lambda: not state.local and state.passes + 1 >= optimizer.backward_passes_per_step, pass_started)
     return optimizer
 
 

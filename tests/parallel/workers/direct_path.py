@@ -93,16 +93,16 @@ def trained(path: str, options: Dict[str, Any], skip_rank: int, passes: int, loc
             else:
                 torch.nn.functional.cross_entropy(model(x, skip), y).backward()
         opt.step()
-        direct = opt.gradient_path
-        modes.append(None if direct is None else direct.mode)
+        modes.append(opt.gradient_path.mode)  # the contract's: Horovod's path, or the direct path's mode
         quiet.append(direct_allreduce.is_quiet())
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-    direct = opt.gradient_path
+    went = opt.gradient_path
+    direct = went if went.name == "direct" else None
     # A collective on Horovod's path (512 KB: not a small direct call) while its loop may be quiet.
     big = hvdp.allreduce(torch.full((1 << 17,), float(hvdp.rank() + 1)), op="sum", name=f"big.{path}.{options}")
     return {"params": flat.tolist(), "digest": digest(flat), "modes": modes, "quiet": quiet,
             "big": [float(big.min()), float(big.max())], "quiet after big": direct_allreduce.is_quiet(),
-            "counts": None if direct is None else dict(direct.counts),
+            "path": went.name, "counts": dict(went.counts),
             "buckets": None if direct is None else [b.in_place for b in direct.buckets],
             "lanes": None if direct is None else [b.lane for b in direct.buckets]}
 
@@ -130,7 +130,7 @@ def two_optimizers(path: str) -> Dict[str, Any]:
         head.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     return {"params": flat.tolist(), "digest": digest(flat),
-            "counts": [None if o.gradient_path is None else dict(o.gradient_path.counts) for o in (body, head)]}
+            "counts": [dict(o.gradient_path.counts) for o in (body, head)]}
 
 
 @contextmanager

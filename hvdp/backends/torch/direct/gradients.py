@@ -60,10 +60,10 @@ from hvdp.backends.torch.direct.allreduce import (
     usable_for,
 )
 from hvdp.backends.torch.direct.buckets import Bucket, cut
+from hvdp.backends.torch.gradients import HorovodPath
 
 #: Learning steps whose plans differed between ranks before the direct path is given up.
 TRIES = 3
-_HUGE = 1 << 40  # a countdown Horovod's hooks never bring to zero
 
 
 #: Every live optimizer's direct path (:func:`serve_until_finished` looks for those still on it).
@@ -92,17 +92,22 @@ def relearn_all() -> None:
 
 
 class DirectGradients:
-    """The direct path of one Horovod torch optimizer (module docstring).
+    """The direct path of one Horovod torch optimizer (module docstring): a
+    :class:`hvdp.backends.torch.gradients.GradientPath`, which learns (and falls back) on ``horovod``,
+    Horovod's path of the same optimizer, through its methods.
 
     ``mode`` is ``learn`` (the next final pass runs on Horovod's path and records its order),
     ``direct`` or ``horovod`` (Horovod's path for good: the switch, or plans that never agreed).
     """
 
-    def __init__(self, optimizer: Any, names: Dict[torch.nn.Parameter, str], scale: Callable[[], float],
+    name = "direct"
+
+    def __init__(self, horovod: HorovodPath, names: Dict[torch.nn.Parameter, str], scale: Callable[[], float],
                  joining: Callable[[], bool]) -> None:
-        self.optimizer, self.names, self.scale, self.joining = optimizer, names, scale, joining
+        self.horovod, self.names, self.scale, self.joining = horovod, names, scale, joining
+        horovod.leads = False  # this path sets Horovod's loop quiet or not
         self.allreduce = DirectAllreduce(local=True, buckets=True)  # from 512 KB: through shared memory
-        self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self.params = [p for group in horovod.optimizer.param_groups for p in group["params"] if p.requires_grad]
         self.index = {p: i for i, p in enumerate(self.params)}
         self.mode = "learn"
         self.tries = 0
@@ -115,7 +120,7 @@ class DirectGradients:
         self.active = False  # the pass now running fills the buckets
         self.late: Optional[torch.nn.Parameter] = None
         self.world = hvd.size()
-        #: Steps on each path, and the graph changes seen (the optimizer's ``gradient_path_counts``).
+        #: Steps on each path, and the graph changes seen.
         self.counts = {"direct": 0, "horovod": 0, "changes": 0}
         self.final_pass: Callable[[], bool] = lambda: True
         self.pass_started: Callable[[], None] = lambda: None
@@ -123,11 +128,22 @@ class DirectGradients:
 
     # -- hooks -------------------------------------------------------------------------------
 
+    def reduces(self) -> bool:
+        return self.horovod.reduces()
+
     def watch(self, final_pass: Callable[[], bool], pass_started: Callable[[], None]) -> None:
-        """Register the gradient hooks; ``final_pass()`` says whether the pass now running reduces."""
+        """Register the gradient hooks (Horovod's path's, for the learning steps, and this path's);
+        ``final_pass()`` says whether the pass now running reduces."""
+        self.horovod.watch(final_pass, pass_started)
         self.final_pass, self.pass_started = final_pass, pass_started
         for p in self.params:
             p.register_post_accumulate_grad_hook(self.hook)
+
+    def hold(self) -> None:
+        self.horovod.hold()  # this path's hooks see that the pass is not final
+
+    def release(self) -> None:
+        self.horovod.release()
 
     def on_direct_path(self) -> bool:
         if self.mode == "direct" and hvd.size() != self.world:  # an elastic job's new world: learn it
@@ -147,7 +163,7 @@ class DirectGradients:
             if not self.on_direct_path():
                 return
             self.start_pass()
-        self.optimizer._allreduce_delay[param] = _HUGE  # before Horovod's hook (it runs after this one)
+        self.horovod.skip(param)  # before Horovod's hook (it runs after this one)
         b, i = self.where[param]
         bucket = self.buckets[b]
         if b < self.issued:
@@ -196,23 +212,19 @@ class DirectGradients:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def synchronize(self, horovod_synchronize: Callable[[], Any]) -> Callable[[], Any]:
-        """The optimizer's ``synchronize``: the direct path's end of step, or Horovod's when not on it."""
-
-        def synchronize() -> Any:
-            if self.active:
-                return self.finish()
-            quiet_loop(False)
-            result = horovod_synchronize()
-            self.counts["horovod"] += 1
-            if self.mode == "learn" and self.order:
-                if self.joining():  # inside hvdp.join a rank may have joined: no allgather then; learn later
-                    self.order, self.recorded = [], set()
-                else:
-                    self.learnt()
-            return result
-
-        return synchronize
+    def synchronize(self) -> Any:
+        """The end of the step: the direct path's, or Horovod's when not on it (learning from it)."""
+        if self.active:
+            return self.finish()
+        quiet_loop(False)
+        result = self.horovod.synchronize()
+        self.counts["horovod"] += 1
+        if self.mode == "learn" and self.order:
+            if self.joining():  # inside hvdp.join a rank may have joined: no allgather then; learn later
+                self.order, self.recorded = [], set()
+            else:
+                self.learnt()
+        return result
 
     def finish(self) -> Any:
         """Send what is left (zeros for the parameters without a gradient), wait, write the averages into ``.grad``."""
@@ -248,7 +260,7 @@ class DirectGradients:
                     p.grad = place.clone()
                 grads.append(p.grad)
             torch._foreach_copy_(grads, bucket.shaped)
-        self.optimizer._handles.clear()
+        self.horovod.forget()
         self.counts["direct"] += 1
         if self.late is not None:
             late, self.late = self.late, None
@@ -303,8 +315,7 @@ class DirectGradients:
     def relearn(self) -> None:
         self.mode, self.order, self.recorded = "learn", [], set()
         quiet_loop(False)
-        for p in self.params:
-            self.optimizer._allreduce_delay[p] = self.optimizer.backward_passes_per_step
+        self.horovod.restore()
 
     def learnt(self) -> None:
         """After a learning step on Horovod's path: cut the buckets, and take the direct path if every rank agrees."""
@@ -327,7 +338,7 @@ class DirectGradients:
         self.world, self.mode, self.tries = hvd.size(), "direct", 0
 
 
-def direct_gradients(optimizer: Any, named: Optional[List[Tuple[str, torch.nn.Parameter]]],
+def direct_gradients(horovod: HorovodPath, named: Optional[List[Tuple[str, torch.nn.Parameter]]],
                      plan: Tuple[str, float, float], compression: str, groups: Any, process_set: Any,
                      sparse: bool, joining: Callable[[], bool]) -> Optional[DirectGradients]:
     """The direct path for ``optimizer``, or None where it does not apply (Horovod's path then, as before).
@@ -339,4 +350,4 @@ def direct_gradients(optimizer: Any, named: Optional[List[Tuple[str, torch.nn.Pa
     scale = scale_if_direct(plan, compression, groups, process_set)
     if scale is None or sparse:
         return None
-    return DirectGradients(optimizer, {p: n for n, p in named or []}, scale, joining)
+    return DirectGradients(horovod, {p: n for n, p in named or []}, scale, joining)
