@@ -18,12 +18,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 import horovod.torch as hvd
 import torch
 
+from hvdp.backends.torch.buckets import Filler
 from hvdp.backends.torch.gradients import complete, wake
-
-#: Elements of the first bucket (the last layers' gradients, ready first): 1 MiB of float32.
-FIRST = 1 << 18
-#: Elements of the other buckets: 16 MiB of float32.
-BUCKET = 1 << 22
 
 
 class Bucket(NamedTuple):
@@ -34,24 +30,20 @@ class Bucket(NamedTuple):
 
 
 def plan(sizes: List[List[int]], first: Optional[int] = None, limit: Optional[int] = None) -> List[Bucket]:
-    """The buckets of param groups whose parameters have ``sizes`` elements, in each group's buffer order."""
-    head, cap = first or FIRST, limit or BUCKET  # read now: a test may set smaller ones
+    """The buckets of param groups whose parameters have ``sizes`` elements, in each group's buffer order: cut
+    by :class:`hvdp.backends.torch.buckets.Filler` from each group's last parameter (``first`` and ``limit``
+    its bounds, the planner's own by default)."""
     buckets: List[Bucket] = []
     for g, group in enumerate(sizes):
         offsets = [0]
         for size in group:
             offsets.append(offsets[-1] + size)
-        ours: List[Bucket] = []
-        members: List[int] = []
-        end, bound = offsets[-1], head
-        for i in reversed(range(len(group))):
-            members.insert(0, i)
-            if end - offsets[i] >= bound:
-                ours.insert(0, Bucket(g, offsets[i], end, tuple(members)))
-                end, members, bound = offsets[i], [], cap
-        if members:
-            ours.insert(0, Bucket(g, 0, end, tuple(members)))
-        buckets.extend(ours)
+        filler: Filler[int] = Filler(first, limit)
+        runs = [run for i in reversed(range(len(group))) if (run := filler.add(i, group[i])) is not None]
+        if filler.items:
+            runs.append(filler.rest())
+        for run in reversed(runs):  # each run from its last parameter down: the buffer's order again
+            buckets.append(Bucket(g, offsets[run[-1]], offsets[run[0] + 1], tuple(reversed(run))))
     return buckets
 
 

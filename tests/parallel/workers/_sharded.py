@@ -255,10 +255,10 @@ def small_chunks() -> None:
     of the optimizer (and the 136-element group one), as a large model's are; and buckets of 30 elements, so
     that the first group's two tensors are a bucket each (and the second group's one), sent one by one as
     backward makes them, each split over the ranks on its own."""
-    from hvdp.backends.torch import sharded, sharded_buckets
+    from hvdp.backends.torch import buckets, sharded
 
     sharded.CHUNK = 100
-    sharded_buckets.FIRST = sharded_buckets.BUCKET = 30
+    buckets.FIRST = buckets.BUCKET = 30
 
 
 def run(rank: int, size: int) -> dict:

@@ -60,20 +60,20 @@ def train(path: str, options: Dict[str, Any], skip_rank: int = -1, passes: int =
     """``in_place``: the two hidden weights (6144 and 9216 elements) allreduced in their own .grad; ``lanes``:
     gathered buckets of 5000 elements, two of them, on the two sender lanes (else every gradient is gathered
     into one bucket); ``shm``: every bucket through shared memory (its threshold, 512 KB, lowered to 1 byte)."""
-    from hvdp.backends.torch import sharded_buckets
+    from hvdp.backends.torch import buckets as planner
     from hvdp.backends.torch.direct import buckets
     from hvdp.backends.torch.direct import shm as direct_shm
-    defaults = buckets.IN_PLACE, sharded_buckets.FIRST, sharded_buckets.BUCKET, direct_shm.BUCKET_MIN_BYTES
+    defaults = buckets.IN_PLACE, planner.FIRST, planner.BUCKET, direct_shm.BUCKET_MIN_BYTES
     buckets.IN_PLACE = 5000 if in_place else buckets.IN_PLACE
     if lanes:
-        sharded_buckets.FIRST = sharded_buckets.BUCKET = 5000
+        planner.FIRST = planner.BUCKET = 5000
     direct_shm.BUCKET_MIN_BYTES = 1 if shm else direct_shm.BUCKET_MIN_BYTES
     local = direct_allreduce.local_memory()
     served = local.served if local is not None else 0
     try:
         found = trained(path, options, skip_rank, passes, local_first)
     finally:
-        buckets.IN_PLACE, sharded_buckets.FIRST, sharded_buckets.BUCKET, direct_shm.BUCKET_MIN_BYTES = defaults
+        buckets.IN_PLACE, planner.FIRST, planner.BUCKET, direct_shm.BUCKET_MIN_BYTES = defaults
     found["shared memory calls"] = (local.served if local is not None else 0) - served
     return found
 

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from hvdp.backends.torch import sharded_buckets
+from hvdp.backends.torch.buckets import Filler
 
 #: Elements from which a gradient is allreduced in place, in its own ``.grad`` (1 MiB of float32): no copy
 #: into a bucket and back, at the cost of one call of its own. Read when the plan is made (a test may lower it).
@@ -71,23 +71,23 @@ def give_lanes(buckets: List[Bucket]) -> None:
 
 def cut(order: List[torch.nn.Parameter], big: int) -> List[Tuple[List[torch.nn.Parameter], bool]]:
     """The buckets, in the order they fill when gradients come in ``order``: each parameter of ``big`` elements
-    or more alone (in place), the others gathered per dtype (the first bucket of a dtype about
-    :data:`sharded_buckets.FIRST` elements, the next about :data:`sharded_buckets.BUCKET`). The last bucket is
-    always a gathered one (it carries the pass's counts; :meth:`.gradients.DirectGradients.finish`)."""
+    or more alone (in place), the others gathered per dtype by the planner of every bucketed path
+    (:class:`hvdp.backends.torch.buckets.Filler`: the first bucket of a dtype about ``FIRST`` elements, the next
+    about ``BUCKET``). The last bucket is always a gathered one (it carries the pass's counts;
+    :meth:`.gradients.DirectGradients.finish`)."""
     buckets: List[Tuple[List[torch.nn.Parameter], bool]] = []
-    gathering: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
-    size: Dict[torch.dtype, int] = {}  # elements gathered so far, per dtype
-    cap = {dtype: sharded_buckets.FIRST for dtype in (torch.float32, torch.float64)}
+    fillers: Dict[torch.dtype, Filler[torch.nn.Parameter]] = {}  # one per dtype, in the order they first came
     for p in order:
         if p.numel() >= big:
             buckets.append(([p], True))
             continue
-        gathering.setdefault(p.dtype, []).append(p)
-        size[p.dtype] = size.get(p.dtype, 0) + p.numel()
-        if size[p.dtype] >= cap[p.dtype]:
-            buckets.append((gathering.pop(p.dtype), False))
-            size[p.dtype], cap[p.dtype] = 0, sharded_buckets.BUCKET
-    buckets.extend((ours, False) for ours in gathering.values())
+        filler = fillers.setdefault(p.dtype, Filler())
+        if not filler.items:  # a bucket begins: the dtypes' last buckets are sent in the order they were begun
+            fillers[p.dtype] = fillers.pop(p.dtype)
+        full = filler.add(p, p.numel())
+        if full is not None:
+            buckets.append((full, False))
+    buckets.extend((rest, False) for rest in (filler.rest() for filler in fillers.values()) if rest)
     if not buckets or buckets[-1][1]:
         buckets.append(([], False))  # the counts alone
     return buckets
