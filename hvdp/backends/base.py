@@ -23,6 +23,7 @@ import numpy as np
 
 from hvdp import _keras_jobs
 from hvdp.backends import direct_mpi
+from hvdp.communicators import avoid_ofi_deadlock
 from hvdp.errors import FrameworkError, TrainingMismatchError
 
 #: Reductions of gradients (``DistributedOptimizer``, ``DistributedGradientTape``).
@@ -270,6 +271,7 @@ class HorovodJob:
 
     def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
         handles = [self._hvd.ProcessSet(ranks) for ranks in process_sets]
+        avoid_ofi_deadlock(os.environ)  # a rank Open MPI started, before Horovod's MPI_Init
         self._hvd.init(comm=comm, process_sets=handles or ("dynamic" if dynamic else None))
         if self._hvd.mpi_enabled() and not self._hvd.gloo_enabled():
             direct_mpi.prepare(comm)  # the direct calls' MPI communicators, while every rank is here

@@ -7,7 +7,9 @@ for the same answer each time. ``hvdp run`` starts ``python -m hvdp.launch.horov
 instead of ``horovodrun ARGS``: Horovod's own command line (``run_commandline``) with those
 two checks asked of Horovod the first time and kept in hvdp's cache, under a key made of the
 extension libraries' paths, sizes and modification times (a rebuilt or reinstalled Horovod
-asks again). Nothing else of horovodrun changes.
+asks again). And Open MPI's OFI transport is left out of the jobs it starts with ``mpirun``
+(``-mca btl ^openib,ofi`` for horovodrun's ``^openib``: :data:`hvdp.communicators.OMPI_BTL_EXCLUDED`, a
+deadlock in ``MPI_Init``). Nothing else of horovodrun changes.
 """
 
 from __future__ import annotations
@@ -81,7 +83,14 @@ def remembered(original: Callable[..., object], name: str, path: Path) -> Callab
 
 
 def install() -> None:
-    """Answer horovodrun's build checks from the cache (where Horovod's extensions are found)."""
+    """Answer horovodrun's build checks from the cache (where Horovod's extensions are found); Open MPI's
+    flags without its OFI transport."""
+    from horovod.runner import mpi_run
+
+    from hvdp.communicators import OMPI_BTL_EXCLUDED
+
+    mpi_run._OMPI_FLAGS = [flag if not flag.startswith("-mca btl ") else f"-mca btl {OMPI_BTL_EXCLUDED}"
+                           for flag in mpi_run._OMPI_FLAGS]
     key = extension_key()
     if key is None:  # no extension library: let Horovod's own check say so
         return

@@ -40,6 +40,7 @@ def test_under_mpi_without_mpi4py_rank_0_says_why_once_and_the_calls_keep_horovo
     for r in job.ranks:
         assert r["controller"] == "" and r["total"] == [3.0] * 4, r
         assert r["mismatch"].startswith("TensorMismatchError: "), r  # Horovod's negotiation refuses it there
+        assert r["btl"] == "^openib,ofi", r  # Open MPI's OFI transport left out (a deadlock in MPI_Init)
 
 
 def test_the_calls_go_direct_on_the_jobs_controller_and_only_gloos_gradients_do(calls_job, request):

@@ -8,6 +8,7 @@ as where it is not installed: the calls keep Horovod's path, and rank 0 says why
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Dict
 
@@ -29,7 +30,7 @@ def without_mpi4py() -> None:
     except Exception as error:  # Horovod's negotiation refuses it there
         mismatch = f"{type(error).__name__}: {error}"
     write(hvdp.rank(), {"rank": hvdp.rank(), "size": hvdp.size(), "controller": direct_allreduce.controller(),
-                        "total": total.tolist(), "mismatch": mismatch})
+                        "total": total.tolist(), "mismatch": mismatch, "btl": os.environ.get("OMPI_MCA_btl")})
 
 
 def main() -> None:
