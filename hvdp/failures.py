@@ -15,11 +15,13 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, Iterator, Optional, Type
 
 #: The file a rank writes its failure record to (set for each rank by ``hvdp run``).
 FILE_VAR = "HVDP_FAILURE_FILE"
@@ -110,3 +112,44 @@ def install() -> None:
 
     hook._hvdp_failure_hook = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+#: The stall timeout ``hvdp run`` (and hvdp on Ray) give the ranks; Horovod's own stall shutdown reads it.
+STALL_VAR = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+
+
+@contextmanager
+def ended_if_stuck(what: str, why: str, slack: float = 0.0) -> Iterator[None]:
+    """Run the block; if it has not returned within the job's stall timeout (:data:`STALL_VAR`; none where it is
+    unset or 0, or in an elastic job, whose workers wait for each other by design) plus ``slack`` seconds, end
+    this process with a failure record (or, outside ``hvdp run``, a line on stderr) saying that ``what`` did not
+    finish and ``why``, so that the job ends naming this rank instead of waiting for ever. For a block stuck in
+    C, where no exception can reach it (``MPI_Init`` in Horovod's background thread)."""
+    try:
+        stall = float(os.environ.get(STALL_VAR) or 0)
+    except ValueError:
+        stall = 0.0
+    if stall <= 0 or os.environ.get("HOROVOD_ELASTIC") == "1":
+        yield
+        return
+    seconds = stall + slack
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        from hvdp.errors import StallError
+
+        allowed = f"the stall timeout, {stall:g} s (hvdp run --stall-timeout)" + (
+            f", and {slack:g} s for the ranks' start" if slack else "")
+        error = StallError(f"{what} did not finish in {seconds:g} s ({allowed}). {why} This rank ends so that the "
+                           f"job does not wait for ever")
+        if not write(error):
+            print(f"hvdp: rank {_rank()}: {error}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hvdp-stuck-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()

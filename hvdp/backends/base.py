@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime
 
 import numpy as np
 
-from hvdp import _keras_jobs
+from hvdp import _keras_jobs, failures
 from hvdp.backends import direct_mpi
 from hvdp.communicators import avoid_ofi_deadlock
 from hvdp.errors import FrameworkError, TrainingMismatchError
@@ -255,6 +255,12 @@ def extra(backend: Backend, name: str, caller: str, owner: str, otherwise: str) 
     return getattr(backend, name)
 
 
+#: Seconds Horovod's initialization may take beyond the stall timeout before the rank ends itself
+#: (:func:`hvdp.failures.ended_if_stuck`): the ranks reach ``hvdp.init()`` apart by their imports' times
+#: (TensorFlow's took 20-30 s here on a loaded machine), and each waits there for the last.
+INIT_SLACK_S = 60.0
+
+
 class HorovodJob:
     """What every backend does the same way on its ``horovod.<framework>`` module, named in ``_hvd``.
 
@@ -272,7 +278,12 @@ class HorovodJob:
     def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
         handles = [self._hvd.ProcessSet(ranks) for ranks in process_sets]
         avoid_ofi_deadlock(os.environ)  # a rank Open MPI started, before Horovod's MPI_Init
-        self._hvd.init(comm=comm, process_sets=handles or ("dynamic" if dynamic else None))
+        with failures.ended_if_stuck(
+                "Horovod's initialization (hvdp.init)",
+                "It waits for every rank of the job: under MPI in MPI_Init, under Gloo in the rendezvous. A rank "
+                "that has not reached hvdp.init() (see its output), or an MPI that hangs in MPI_Init, keeps it "
+                "waiting.", slack=INIT_SLACK_S):
+            self._hvd.init(comm=comm, process_sets=handles or ("dynamic" if dynamic else None))
         if self._hvd.mpi_enabled() and not self._hvd.gloo_enabled():
             direct_mpi.prepare(comm)  # the direct calls' MPI communicators, while every rank is here
         return handles

@@ -62,6 +62,8 @@ def waiting_jobs(tmp_path_factory):
     jobs = {(mode, controller): functools.partial(
         run_fault, mode, controller, tmp_path_factory.mktemp(f"{mode}-{controller}"), "--stall-timeout", "10")
         for mode in ("stall", "pause") for controller in ("gloo", "mpi")}
+    jobs[("late", "mpi")] = functools.partial(run_fault, "late", "mpi", tmp_path_factory.mktemp("late-mpi"),
+                                              "--stall-timeout", "10")
     jobs[("stall", "gloo-tensorflow")] = functools.partial(
         run_fault, "stall", "gloo", tmp_path_factory.mktemp("stall-tensorflow"), "--stall-timeout", "10",
         framework="tensorflow")
@@ -86,6 +88,20 @@ def test_a_stalled_rank_ends_the_job_after_the_stall_timeout_naming_rank_and_ten
     assert job.returncode != 0
     assert 10 <= detection < 10 + 20, detection  # Horovod checks every timeout/5 s, then the launcher stops
     assert "hvdp: the job was ended: rank 1 never submitted allreduce." in job.output, job.output[-3000:]
+
+
+def test_a_rank_that_never_reaches_init_ends_the_job_after_the_stall_timeout_naming_the_waiting_rank(waiting_jobs):
+    """Under MPI, Horovod's init waits in MPI_Init for every rank, with no timeout of its own (an MPI that hangs
+    there, too, waited for ever): rank 0 ends itself after the stall timeout and 60 s for the ranks' start,
+    saying why, and the job ends."""
+    job, detection = waiting_jobs[("late", "mpi")].result()
+    assert job.returncode != 0
+    # the stall timeout and 60 s for the ranks' start, from rank 0's init (rank 1 writes its time after its
+    # imports, some seconds before or after rank 0's init began)
+    assert 70 - 20 <= detection < 70 + 30, detection
+    assert "rank 0 raised StallError: Horovod's initialization (hvdp.init) did not finish in 70 s (the stall " \
+           "timeout, 10 s (hvdp run --stall-timeout), and 60 s for the ranks' start)" in job.output, job.output[-3000:]
+    assert "A rank that has not reached hvdp.init() (see its output)" in job.output, job.output[-3000:]
 
 
 def test_a_stalled_rank_on_tensorflows_direct_path_ends_the_job_naming_it(waiting_jobs):

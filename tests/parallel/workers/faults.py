@@ -1,8 +1,8 @@
 """A training loop in which rank 1 fails at step 5 (argv[1]): kill9 (SIGKILL to itself), raise
 (an exception), stall (it stops taking part in collectives), vanish (SIGKILL to itself and to the
 process that started it, as when its container is killed), or pause (SIGSTOP to both, as when its
-container is paused). Rank 1 writes the moment of the fault to $HVDP_TEST_OUT/fault_time so the
-test can time the detection."""
+container is paused); or late: rank 1 never reaches hvdp.init() (it sleeps before it). Rank 1 writes
+the moment of the fault to $HVDP_TEST_OUT/fault_time so the test can time the detection."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ FAULT_STEP = 5
 
 def main() -> None:
     mode = os.sys.argv[1]
+    if mode == "late" and os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK")) == "1":
+        with open(os.path.join(os.environ["HVDP_TEST_OUT"], "fault_time"), "w") as out:
+            out.write(str(time.time()))
+        time.sleep(3600)  # never reaches hvdp.init(): rank 0's Horovod init waits for it
     hvdp.init()
     rank = hvdp.rank()
     torch.manual_seed(0)
