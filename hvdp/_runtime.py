@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvdp import _keras_jobs, consistency, failures, profiler
+from hvdp.backends import openmpi
 from hvdp.errors import (
     FrameworkError,
     NotInitializedError,
@@ -207,6 +208,12 @@ def load_backend(name: str) -> "Backend":
     return backend
 
 
+#: Seconds Horovod's initialization may take beyond the stall timeout before the rank ends itself
+#: (:func:`hvdp.failures.ended_if_stuck`): the ranks reach ``hvdp.init()`` apart by their imports' times
+#: (TensorFlow's took 20-30 s here on a loaded machine), and each waits there for the last.
+INIT_SLACK_S = 60.0
+
+
 def activate(
     requested: Optional[str],
     comm: Any = None,
@@ -244,7 +251,13 @@ def activate(
         os.environ.setdefault("KERAS_BACKEND", name)
         _check_loaded_keras(name)
         state.backend = load_backend(name)
-    handles = state.backend.init(comm, [list(ranks) for ranks in process_sets], dynamic)
+    openmpi.avoid_ofi_deadlock(os.environ)  # a rank Open MPI started: before Horovod's MPI_Init
+    with failures.ended_if_stuck(
+            "Horovod's initialization (hvdp.init)",
+            "It waits for every rank of the job: under MPI in MPI_Init, under Gloo in the rendezvous. A rank that "
+            "has not reached hvdp.init() (see its output), or an MPI that hangs in MPI_Init, keeps it waiting.",
+            slack=INIT_SLACK_S):
+        handles = state.backend.init(comm, [list(ranks) for ranks in process_sets], dynamic)
     state.generation += 1
     _keras_jobs.when_imported(_keras_in_jobs)
     if not state.exit_handler:  # after Horovod's own exit handler, so that it runs before it

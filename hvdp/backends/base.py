@@ -21,9 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime
 
 import numpy as np
 
-from hvdp import _keras_jobs, failures
+from hvdp import _keras_jobs
 from hvdp.backends import direct_mpi
-from hvdp.communicators import avoid_ofi_deadlock
 from hvdp.errors import FrameworkError, TrainingMismatchError
 
 #: Reductions of gradients (``DistributedOptimizer``, ``DistributedGradientTape``).
@@ -212,53 +211,12 @@ class Extras(Protocol):
         """TensorFlow: ``tape`` (a ``tf.GradientTape``) with ``gradient()`` reduced across ranks."""
 
 
-class GradientPath(Protocol):
-    """How one optimizer's gradients are averaged, as the optimizer wrapper uses it
-    (:func:`hvdp.backends.torch.gradients.reduce_at_backward_end`), in the manner of DDP's communication
-    hooks: the wrapper says when a pass starts, which passes reduce and when the averages must be there;
-    the path moves the gradients. Horovod's path and the direct path are its two peers
-    (:class:`hvdp.backends.torch.gradients.HorovodPath`,
-    :class:`hvdp.backends.torch.direct.gradients.DirectGradients`); neither wrapper nor path reaches into
-    the other's internals.
-
-    ``name`` is ``horovod`` or ``direct``; ``mode`` what the path does now (``horovod``, ``learn`` or
-    ``direct`` for the direct path); ``counts`` the steps taken on each (``direct``, ``horovod``) and the
-    graph changes seen (``changes``).
-    """
-
-    name: str
-    mode: str
-    counts: Dict[str, int]
-
-    def reduces(self) -> bool:
-        """Whether this optimizer's gradients are reduced at all (a one-process job's are not)."""
-
-    def watch(self, final_pass: Callable[[], bool], pass_started: Callable[[], None]) -> None:
-        """Register the gradient hooks: each calls ``pass_started()`` first; ``final_pass()`` says whether the
-        pass now running completes ``backward_passes_per_step`` passes (and so reduces)."""
-
-    def synchronize(self) -> Any:
-        """Wait for the pass's reductions: ``.grad`` then holds the averages."""
-
-    def hold(self) -> None:
-        """``no_sync()`` begins: the passes from now on accumulate locally."""
-
-    def release(self) -> None:
-        """``no_sync()`` ends: the next final pass reduces what was accumulated."""
-
-
 def extra(backend: Backend, name: str, caller: str, owner: str, otherwise: str) -> Callable[..., Any]:
     """The backend's extra ``name`` (one of :class:`Extras`); where its framework has none, a
     FrameworkError saying that ``hvdp.<caller>`` is for ``owner``, then ``otherwise`` (what to use)."""
     if name not in backend.extras:
         raise FrameworkError(f"hvdp.{caller} is for {owner}; the framework is {backend.name!r}{otherwise}")
     return getattr(backend, name)
-
-
-#: Seconds Horovod's initialization may take beyond the stall timeout before the rank ends itself
-#: (:func:`hvdp.failures.ended_if_stuck`): the ranks reach ``hvdp.init()`` apart by their imports' times
-#: (TensorFlow's took 20-30 s here on a loaded machine), and each waits there for the last.
-INIT_SLACK_S = 60.0
 
 
 class HorovodJob:
@@ -277,13 +235,7 @@ class HorovodJob:
 
     def init(self, comm: Any, process_sets: List[List[int]], dynamic: bool) -> List[Any]:
         handles = [self._hvd.ProcessSet(ranks) for ranks in process_sets]
-        avoid_ofi_deadlock(os.environ)  # a rank Open MPI started, before Horovod's MPI_Init
-        with failures.ended_if_stuck(
-                "Horovod's initialization (hvdp.init)",
-                "It waits for every rank of the job: under MPI in MPI_Init, under Gloo in the rendezvous. A rank "
-                "that has not reached hvdp.init() (see its output), or an MPI that hangs in MPI_Init, keeps it "
-                "waiting.", slack=INIT_SLACK_S):
-            self._hvd.init(comm=comm, process_sets=handles or ("dynamic" if dynamic else None))
+        self._hvd.init(comm=comm, process_sets=handles or ("dynamic" if dynamic else None))
         if self._hvd.mpi_enabled() and not self._hvd.gloo_enabled():
             direct_mpi.prepare(comm)  # the direct calls' MPI communicators, while every rank is here
         return handles

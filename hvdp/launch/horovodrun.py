@@ -8,7 +8,7 @@ instead of ``horovodrun ARGS``: Horovod's own command line (``run_commandline``)
 two checks asked of Horovod the first time and kept in hvdp's cache, under a key made of the
 extension libraries' paths, sizes and modification times (a rebuilt or reinstalled Horovod
 asks again). And Open MPI's OFI transport is left out of the jobs it starts with ``mpirun``
-(``-mca btl ^openib,ofi`` for horovodrun's ``^openib``: :data:`hvdp.communicators.OMPI_BTL_EXCLUDED`, a
+(``-mca btl ^openib,ofi`` for horovodrun's ``^openib``: :data:`hvdp.backends.openmpi.OMPI_BTL_EXCLUDED`, a
 deadlock in ``MPI_Init``). Nothing else of horovodrun changes.
 """
 
@@ -87,7 +87,7 @@ def install() -> None:
     flags without its OFI transport."""
     from horovod.runner import mpi_run
 
-    from hvdp.communicators import OMPI_BTL_EXCLUDED
+    from hvdp.backends.openmpi import OMPI_BTL_EXCLUDED
 
     mpi_run._OMPI_FLAGS = [flag if not flag.startswith("-mca btl ") else f"-mca btl {OMPI_BTL_EXCLUDED}"
                            for flag in mpi_run._OMPI_FLAGS]

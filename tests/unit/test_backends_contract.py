@@ -78,7 +78,7 @@ def test_a_direct_calls_failure_is_one_error_a_stall_when_it_timed_out(capsys, m
 def test_both_gradient_paths_implement_the_one_contract_with_its_signatures():
     """Horovod's path and the direct path are peers behind GradientPath: the same methods, the same signatures,
     and the optimizer wrapper takes either."""
-    from hvdp.backends.base import GradientPath
+    from hvdp.backends.paths import GradientPath
     from hvdp.backends.torch.direct.gradients import DirectGradients
     from hvdp.backends.torch.gradients import HorovodPath, reduce_at_backward_end
 

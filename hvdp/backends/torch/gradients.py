@@ -9,7 +9,7 @@ communication with the rest of backward) and adds one callback at the end of eac
 backward pass (autograd's ``queue_callback``, where DDP's reducer finishes too) that
 waits for the allreduces and writes the averages into ``.grad``.
 
-How a pass's gradients travel is a :class:`hvdp.backends.base.GradientPath`, the one contract between the
+How a pass's gradients travel is a :class:`hvdp.backends.paths.GradientPath`, the one contract between the
 optimizer wrapper and a path: :class:`HorovodPath` (Horovod's hooks, negotiation and
 fusion buffer) or :class:`hvdp.backends.torch.direct.gradients.DirectGradients` (fixed
 buckets by direct calls, learnt on Horovod's path). The wrapper speaks only to it.
@@ -25,7 +25,7 @@ import horovod.torch as hvd
 import torch
 
 from hvdp import profiler
-from hvdp.backends.base import GradientPath
+from hvdp.backends.paths import GradientPath
 from hvdp.backends.torch.direct.allreduce import quiet_loop
 
 #: Longest sleep between two polls of an unfinished collective (seconds).
@@ -85,7 +85,7 @@ HELD = 1 << 40
 
 
 class HorovodPath:
-    """Horovod's own path (a :class:`hvdp.backends.base.GradientPath`): its optimizer's hooks start each
+    """Horovod's own path (a :class:`hvdp.backends.paths.GradientPath`): its optimizer's hooks start each
     gradient's allreduce through its negotiation and fusion buffer; :meth:`synchronize` wakes its loop and
     waits for them, sleeping between polls (:func:`wait`). The only place that reaches into Horovod's
     optimizer (``_allreduce_delay``, ``_handles``, ``_grad_accs``); the direct path learns through it."""
@@ -172,7 +172,7 @@ def reduce_at_backward_end(optimizer: Any, path: GradientPath) -> Any:
     - ``optimizer.no_sync()``: backward passes inside it accumulate locally; the first
       pass after it reduces the sum (DDP's ``no_sync``).
 
-    The gradients travel by ``path`` (a :class:`~hvdp.backends.base.GradientPath`), which gets its hooks
+    The gradients travel by ``path`` (a :class:`~hvdp.backends.paths.GradientPath`), which gets its hooks
     here, told which passes reduce; it is on ``optimizer.gradient_path``. A one-process job (Horovod registers no
     hooks) is left as it is, with a ``no_sync`` that does nothing.
     """
