@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvdp import _keras_jobs, consistency, failures, profiler
-from hvdp.backends import openmpi
+from hvdp.backends import direct, openmpi
 from hvdp.errors import (
     FrameworkError,
     NotInitializedError,
@@ -256,7 +256,7 @@ def activate(
             "Horovod's initialization (hvdp.init)",
             "It waits for every rank of the job: under MPI in MPI_Init, under Gloo in the rendezvous. A rank that "
             "has not reached hvdp.init() (see its output), or an MPI that hangs in MPI_Init, keeps it waiting.",
-            slack=INIT_SLACK_S):
+            direct.stall_timeout_s(), slack=INIT_SLACK_S):
         handles = state.backend.init(comm, [list(ranks) for ranks in process_sets], dynamic)
     state.generation += 1
     _keras_jobs.when_imported(_keras_in_jobs)

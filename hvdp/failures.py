@@ -114,21 +114,13 @@ def install() -> None:
     sys.excepthook = hook
 
 
-#: The stall timeout ``hvdp run`` (and hvdp on Ray) give the ranks; Horovod's own stall shutdown reads it.
-STALL_VAR = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
-
-
 @contextmanager
-def ended_if_stuck(what: str, why: str, slack: float = 0.0) -> Iterator[None]:
-    """Run the block; if it has not returned within the job's stall timeout (:data:`STALL_VAR`; none where it is
-    unset or 0, or in an elastic job, whose workers wait for each other by design) plus ``slack`` seconds, end
-    this process with a failure record (or, outside ``hvdp run``, a line on stderr) saying that ``what`` did not
+def ended_if_stuck(what: str, why: str, stall: float, slack: float = 0.0) -> Iterator[None]:
+    """Run the block; if it has not returned within ``stall`` seconds (the job's stall timeout; none where it is
+    0, or in an elastic job, whose workers wait for each other by design) plus ``slack`` seconds, end this
+    process with a failure record (or, outside ``hvdp run``, a line on stderr) saying that ``what`` did not
     finish and ``why``, so that the job ends naming this rank instead of waiting for ever. For a block stuck in
     C, where no exception can reach it (``MPI_Init`` in Horovod's background thread)."""
-    try:
-        stall = float(os.environ.get(STALL_VAR) or 0)
-    except ValueError:
-        stall = 0.0
     if stall <= 0 or os.environ.get("HOROVOD_ELASTIC") == "1":
         yield
         return

@@ -45,18 +45,23 @@ CHANNELS: Dict[str, int] = {
 }
 
 
+def stall_timeout_s() -> int:
+    """The job's stall timeout in seconds (hvdp run sets ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` from
+    ``--stall-timeout``); 0 where none is set."""
+    try:
+        return max(0, int(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0")))
+    except ValueError:
+        return 0
+
+
 def timeout_ms() -> int:
-    """How long a direct call waits for the other ranks: the job's stall timeout (hvdp run sets
-    ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` from ``--stall-timeout``), else :data:`DEFAULT_TIMEOUT_S`.
+    """How long a direct call waits for the other ranks: the job's stall timeout (:func:`stall_timeout_s`),
+    else :data:`DEFAULT_TIMEOUT_S`.
 
     Horovod's path waits as long before its stall inspector ends the job: a rank that is merely busy
     (rank 0 evaluating or saving while the others wait) is given the same time on both paths.
     """
-    try:
-        seconds = int(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0"))
-    except ValueError:
-        seconds = 0
-    return 1000 * (seconds if seconds > 0 else DEFAULT_TIMEOUT_S)
+    return 1000 * (stall_timeout_s() or DEFAULT_TIMEOUT_S)
 
 
 def timed_out(error: Union[str, bytes, BaseException]) -> bool:
