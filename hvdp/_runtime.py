@@ -1,4 +1,4 @@
-"""Picks the framework once, loads its backend, and holds it for the process.
+"""Picks the framework once, loads its backend, and holds it for the process (in :mod:`hvdp._state`'s job state).
 
 Order of precedence: ``hvdp.init(framework=...)`` > ``HVDP_FRAMEWORK`` (set by
 ``hvdp run --framework``) > the only framework that is importable. A script
@@ -14,10 +14,10 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 from hvdp import _keras_jobs, consistency, failures, profiler
+from hvdp._state import job
 from hvdp.backends import direct, openmpi
 from hvdp.errors import (
     FrameworkError,
@@ -39,37 +39,8 @@ ENV_VAR = "HVDP_FRAMEWORK"
 INSTALL_HINT = {name: f"pip install {spec.requirement}" for name, spec in SPECS.items()}
 
 
-
-@dataclass
-class JobState:
-    """Everything hvdp knows about this process's job, in one object (tests build fresh ones).
-
-    Attributes:
-        backend: the loaded backend (it stays loaded across shutdown/init).
-        generation: changes at every start and shutdown; process sets registered in an
-            earlier generation are stale.
-        dynamic_sets: whether process sets may be added while the job runs.
-        unnamed: per (generation, process set) count of unnamed collectives.
-        exit_handler: whether the at-exit shutdown is registered.
-    """
-
-    backend: Optional["Backend"] = None
-    generation: int = 0
-    dynamic_sets: bool = False
-    unnamed: Dict[Tuple[int, Optional[Tuple[int, ...]]], int] = field(default_factory=dict)
-    exit_handler: bool = False
-
-
-_job = JobState()
-
-
-def job() -> JobState:
-    """This process's :class:`JobState`."""
-    return _job
-
-
 def _running_rank() -> Optional[int]:
-    backend = _job.backend
+    backend = job().backend
     return backend.rank() if backend is not None and backend.is_initialized() else None
 
 
@@ -232,7 +203,7 @@ def activate(
         The backend's handle of each process set, or None when hvdp was already running.
     """
     failures.install()  # under hvdp run, an uncaught exception of this rank becomes a record
-    state = _job
+    state = job()
     name = resolve(requested)
     if state.backend is not None:
         if state.backend.name != name:
@@ -274,7 +245,7 @@ def _keras_in_jobs() -> None:
         return _optimizer_wrapper[0](optimizer)
 
     def distributed_job() -> bool:
-        backend = _job.backend
+        backend = job().backend
         return backend is not None and backend.is_initialized() and backend.size() > 1
 
     _keras_jobs.rewrap_loaded_optimizers(wrap, distributed_job)
@@ -297,12 +268,12 @@ def _at_exit() -> None:
 
 def generation() -> int:
     """A number that changes at every start and shutdown: process sets registered earlier are stale."""
-    return _job.generation
+    return job().generation
 
 
 def current(caller: str) -> "Backend":
     """The active backend, or NotInitializedError naming the call that needed it."""
-    backend = _job.backend
+    backend = job().backend
     if backend is None or not backend.is_initialized():
         raise NotInitializedError(
             f"hvdp.{caller}() was called before hvdp.init(). "
@@ -313,12 +284,12 @@ def current(caller: str) -> "Backend":
 
 def chosen() -> Optional[str]:
     """The name of the loaded framework, or None."""
-    return None if _job.backend is None else _job.backend.name
+    return None if job().backend is None else job().backend.name
 
 
 def deactivate(join: bool = True) -> None:
     """Shut Horovod down (with ``join``: once every rank gets here); the backend stays loaded for init()."""
-    state = _job
+    state = job()
     if state.backend is not None and state.backend.is_initialized():
         backend, uneven = state.backend, []
 

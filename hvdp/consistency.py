@@ -18,6 +18,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
+from hvdp._state import job
 from hvdp.errors import ReplicaMismatchError
 
 Digest = Tuple[str, List[int], str]
@@ -186,13 +187,14 @@ class DriftGuard:
         #: How to list the parameters of the last update (the check at the job's end uses it).
         self.latest: Optional[Callable[[], List[Tuple[str, np.ndarray]]]] = None
         if whole_job and every:  # the newest KEPT_AT_END, kept (with their models) for the check at the end
-            _guards[:] = [*_guards[1 - KEPT_AT_END:], self]
+            state = job()
+            state.guards = [*state.guards[1 - KEPT_AT_END:], self]
 
     def after_step(self, parameters: Callable[[], List[Tuple[str, np.ndarray]]]) -> None:
         self.steps += 1
         self.latest = parameters
         if self.whole_job:
-            _job_steps[0] += 1
+            job().job_steps += 1
         if self.every and (self.steps == 1 or self.steps % self.every == 0):
             self.check(parameters())
 
@@ -216,11 +218,9 @@ class DriftGuard:
             )
 
 
-#: Updates taken by this rank's whole-job DistributedOptimizers (counted by their drift guards).
-_job_steps = [0]
-#: The whole-job drift guards of this process, in the order they were made (the same on every rank): the
-#: newest :data:`KEPT_AT_END` of them, whose models are compared once more at the job's end.
-_guards: List[DriftGuard] = []
+#: Updates taken by this rank's whole-job DistributedOptimizers are counted by their drift guards in the job
+#: state (:attr:`hvdp._state.JobState.job_steps`), and the guards kept there in the order they were made (the same
+#: on every rank): the newest :data:`KEPT_AT_END` of them, whose models are compared once more at the job's end.
 #: How many of the newest whole-job optimizers the check at the job's end covers (each keeps its model alive
 #: until then: a script that makes many, one after another, keeps only these).
 KEPT_AT_END = 8
@@ -232,8 +232,9 @@ def final_check(backend: Any) -> None:
 
     Every rank calls it (a collective); raises ReplicaMismatchError on every rank when they differ.
     """
-    live = [guard for guard in _guards if guard.latest is not None]
-    _guards.clear()
+    state = job()
+    live = [guard for guard in state.guards if guard.latest is not None]
+    state.guards = []
     if len(set(backend.allgather_object(len(live), None))) > 1:
         return  # the ranks made different optimizers: their step counts already say so
     for guard in live:
@@ -244,14 +245,14 @@ def final_check(backend: Any) -> None:
 
 def step_counts(guard: Optional[DriftGuard]) -> List[int]:
     """This rank's step counters: ``guard``'s (0 without one) and the whole job's."""
-    return [0 if guard is None else guard.steps, _job_steps[0]]
+    return [0 if guard is None else guard.steps, job().job_steps]
 
 
 def adopt_step_counts(guard: Optional[DriftGuard], counts: List[int]) -> None:
     """Take another rank's :func:`step_counts` (after ``hvdp.join``, the state this rank now holds is its)."""
     if guard is not None:
         guard.steps = counts[0]
-    _job_steps[0] = counts[1]
+    job().job_steps = counts[1]
 
 
 def uneven_steps(backend: Any) -> List[str]:
@@ -261,8 +262,9 @@ def uneven_steps(backend: Any) -> List[str]:
     stepped without it: their last updates averaged fewer replicas, and the model
     is no longer the same on every rank.
     """
-    counts = backend.allgather_object(_job_steps[0], None)
-    _job_steps[0] = 0
+    state = job()
+    counts = backend.allgather_object(state.job_steps, None)
+    state.job_steps = 0
     if len(set(counts)) <= 1:
         return []
     shown = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(counts))

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any, Dict, Optional, Union
 
+from hvdp._state import job
 from hvdp.errors import StallError
 
 #: The environment variable that picks the gradient path: ``direct`` (the default) or ``horovod``.
@@ -145,21 +146,19 @@ def quiet_ms() -> int:
     return quiet_ms_from(os.environ.get(QUIET_ENV))
 
 
-_QUIET = [False]
-
-
 def quiet_loop(library: Any, on: bool) -> None:
     """Space the background rounds of ``library``'s Horovod :func:`quiet_ms` apart (``on``: the gradients go
     direct, the loop has nothing to do) or back to the cycle time. Cheap when unchanged; a no-op with a build
     without it, or while :func:`quiet_ms` is 0 or not longer than the job's HOROVOD_CYCLE_TIME (never rounds
     more often)."""
-    if _QUIET[0] == on:
+    state = job()
+    if state.quiet_loop == on:
         return
     spacing = quiet_ms()
     on = on and spacing > float(os.environ.get("HOROVOD_CYCLE_TIME", "0") or 0)
-    if _QUIET[0] == on:
+    if state.quiet_loop == on:
         return
-    _QUIET[0] = on
+    state.quiet_loop = on
     found = getattr(library, "horovod_hvdp_quiet_loop", None)
     if found is not None:
         found.argtypes, found.restype = [ctypes.c_int], None
@@ -168,4 +167,4 @@ def quiet_loop(library: Any, on: bool) -> None:
 
 def is_quiet() -> bool:
     """Whether :func:`quiet_loop` spaced the rounds out (for tests and the bench)."""
-    return _QUIET[0]
+    return job().quiet_loop

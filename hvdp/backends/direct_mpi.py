@@ -26,13 +26,13 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
+from hvdp._state import job
 from hvdp.backends.direct import CHANNELS
 
 #: The bytes of each message the exchange's first allgather carries (besides its length): a header and a small
 #: call's values go in one round; a longer message's rest takes a second.
 LEAD_BYTES = 4096 - 8
 _MPI_TYPES = ("FLOAT", "DOUBLE", "INT32_T", "INT64_T")  # the entries' dtype codes 0..3
-_STATE: Dict[Any, Any] = {}
 _LOCK = threading.Lock()
 
 
@@ -49,40 +49,42 @@ def _mpi() -> Any:
 
 def reason() -> str:
     """Why the MPI peer cannot run in this process (empty where it can): checked once, after Horovod's init."""
-    if "reason" not in _STATE:
+    state = job().mpi
+    if "reason" not in state:
         try:
             mpi = _mpi()
         except ImportError:
-            _STATE["reason"] = "mpi4py is not installed (pip install 'hvdp[mpi]')"
-            return str(_STATE["reason"])
+            state["reason"] = "mpi4py is not installed (pip install 'hvdp[mpi]')"
+            return str(state["reason"])
         if not mpi.Is_initialized() or mpi.Is_finalized():
-            _STATE["reason"] = "MPI is not initialized (not an MPI job)"
+            state["reason"] = "MPI is not initialized (not an MPI job)"
         elif mpi.Query_thread() != mpi.THREAD_MULTIPLE:
-            _STATE["reason"] = ("this MPI gives threads no full use (MPI_THREAD_MULTIPLE), which calls beside "
-                                "Horovod's background thread need")
+            state["reason"] = ("this MPI gives threads no full use (MPI_THREAD_MULTIPLE), which calls beside "
+                               "Horovod's background thread need")
         else:
-            _STATE["reason"] = ""
-    return str(_STATE["reason"])
+            state["reason"] = ""
+    return str(state["reason"])
 
 
 def prepare(comm: Any = None) -> None:
     """Every channel's duplicate of the job's communicator (``comm``, an mpi4py communicator given to
     ``hvdp.init``, else ``MPI_COMM_WORLD``), made in the channels' order by every rank at Horovod's init, where
     all ranks are together; a communicator of other ranks than Horovod's leaves the peer off (:func:`reason`)."""
-    if reason() or "comms" in _STATE:
+    state = job().mpi
+    if reason() or "comms" in state:
         return
     mpi = _mpi()
     base = comm if isinstance(comm, mpi.Comm) else mpi.COMM_WORLD if comm is None else None
     if base is None:
-        _STATE["reason"] = "hvdp.init was given its ranks as a list, not as an MPI communicator"
+        state["reason"] = "hvdp.init was given its ranks as a list, not as an MPI communicator"
         return
     with _LOCK:
-        _STATE["comms"] = {number: base.Dup() for number in sorted(CHANNELS.values())}
+        state["comms"] = {number: base.Dup() for number in sorted(CHANNELS.values())}
 
 
 def _comm(channel: int) -> Any:
     """The communicator of ``channel`` (:func:`prepare`)."""
-    return _STATE["comms"][channel]
+    return job().mpi["comms"][channel]
 
 
 def _wait(request: Any, timeout_ms: int) -> bool:
@@ -118,9 +120,10 @@ def exchange(inbox: int, capacity: int, nbytes: int, channel: int, timeout_ms: i
     places = (ctypes.c_uint8 * (size * capacity)).from_address(inbox)
     lead = min(LEAD_BYTES, capacity)
     key = ("leads", channel, size, lead)
-    leads = _STATE.get(key)
+    state = job().mpi
+    leads = state.get(key)
     if leads is None:
-        leads = _STATE[key] = (ctypes.c_uint8 * (size * (lead + 8)))()
+        leads = state[key] = (ctypes.c_uint8 * (size * (lead + 8)))()
     mine = rank * (lead + 8)
     ctypes.c_int64.from_buffer(leads, mine).value = nbytes
     ctypes.memmove(ctypes.addressof(leads) + mine + 8, inbox + rank * capacity, min(nbytes, lead))
@@ -172,6 +175,6 @@ def allreduce_from(source: int, target: int, count: int, dtype: int, channel: in
 def entries() -> Optional[Dict[str, Any]]:
     """The two entries by the build's names, or None where :func:`reason` says the peer cannot run (or
     :func:`prepare` did not)."""
-    if reason() or "comms" not in _STATE:
+    if reason() or "comms" not in job().mpi:
         return None
     return {"horovod_hvdp_direct_exchange": exchange, "horovod_hvdp_direct_allreduce_from": allreduce_from}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdp import consistency
+from hvdp import _state, consistency
 from hvdp.errors import ReplicaMismatchError
 
 
@@ -93,13 +93,14 @@ class Counts:
         return [mine, *self.others]
 
 
-def test_uneven_steps_name_every_rank_count_and_even_ones_say_nothing():
-    consistency._job_steps[0] = 5
+def test_uneven_steps_name_every_rank_count_and_even_ones_say_nothing(monkeypatch):
+    state = _state.JobState(job_steps=5)
+    monkeypatch.setattr(_state, "_job", state)
     assert consistency.uneven_steps(Counts([5])) == []
-    consistency._job_steps[0] = 5
+    state.job_steps = 5
     [line] = consistency.uneven_steps(Counts([4]))
     assert line.startswith("The ranks took different numbers of optimizer steps (rank 0: 5, rank 1: 4)")
-    assert consistency._job_steps[0] == 0
+    assert state.job_steps == 0
 
 
 def test_elastic_jobs_run_no_guard(monkeypatch):

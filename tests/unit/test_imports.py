@@ -82,7 +82,7 @@ LAYERS = (
      "Keras adapter",
      ("hvdp.backends", "hvdp.backends.*")),
     ("foundation", "what every layer may use, importing nothing of hvdp above it",
-     ("hvdp.errors", "hvdp.profiler", "hvdp._keras_jobs")),
+     ("hvdp.errors", "hvdp.profiler", "hvdp._keras_jobs", "hvdp._state")),
 )
 
 

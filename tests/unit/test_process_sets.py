@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import hvdp
-from hvdp import _runtime, communicators
+from hvdp import _runtime, _state, communicators
 from hvdp import process_sets as ps_module
 
 
@@ -48,7 +48,7 @@ class FakeBackend:
 @pytest.fixture
 def fake(monkeypatch):
     backend = FakeBackend()
-    monkeypatch.setattr(_runtime, "_job", _runtime.JobState(backend=backend))
+    monkeypatch.setattr(_state, "_job", _state.JobState(backend=backend))
     return backend
 
 

@@ -30,6 +30,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hvdp._state import job
 from hvdp.backends import direct
 from hvdp.backends.direct import CHANNELS
 from hvdp.errors import TensorMismatchError, TrainingMismatchError
@@ -74,7 +75,7 @@ class DirectGroup:
         direct.quiet_loop(_library(), go)
         self.counts["direct" if go else "horovod"] += 1
         self.counts["differed"] += int(not same)
-        _WENT_DIRECT[0] = _WENT_DIRECT[0] or go
+        job().went_direct = job().went_direct or go
         return float(self.scale()) if go else 0.0
 
     def __call__(self, tensors: List[Any], horovod_reduce: Callable[[List[Any]], List[Any]]) -> List[Any]:
@@ -158,17 +159,13 @@ def models_differ(sizes: Any) -> str:
 SAME_STEPS = ("Every rank must take the same steps: give every rank the same number of batches "
               "(hvdp.shard(n, drop_remainder=True)), or train inside hvdp.join(model, optimizer).")
 
-#: Whether a gradients' call of this process went direct (a tape's reducer is made anew at every step).
-_WENT_DIRECT = [False]
-
-
 def leave() -> None:
     """Before Horovod's join at the end of a job, where this process's gradients went direct: one layout
     exchange saying this rank left its training loop, so that ranks still training are named at once
     (TrainingMismatchError on them and here) instead of waiting out the stall timeout."""
-    if not _WENT_DIRECT[0] or not hvd.is_initialized() or hvd.size() < 2:
+    if not job().went_direct or not hvd.is_initialized() or hvd.size() < 2:
         return
-    _WENT_DIRECT[0] = False
+    job().went_direct = False
     if compared("", True, finished=True)[0]:
         me = hvd.rank()
         raise TrainingMismatchError(f"rank {me} finished its script while other ranks still train (their next "

@@ -17,7 +17,6 @@ import ctypes
 import queue
 import sys
 import threading
-import weakref
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -25,6 +24,7 @@ import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
+from hvdp._state import job
 from hvdp.backends import direct, direct_mpi
 from hvdp.backends.direct import CHANNELS, PATH_ENV, chosen_path, timeout_ms
 from hvdp.backends.direct import is_quiet as is_quiet
@@ -53,16 +53,14 @@ def entry(name: str, *middle: Any) -> Any:
     return direct.entry(hvd.mpi_ops._basics.MPI_LIB_CTYPES, name, *middle)
 
 
-_CONTROLLER: List[str] = []
-
-
 def controller() -> str:
     """The controller the direct calls run on in this job: ``gloo`` (the build's C entries on Horovod's Gloo
     context), ``mpi`` (their MPI peer, :mod:`hvdp.backends.direct_mpi`), or ``""`` where neither can (an MPI
     without full thread support, no mpi4py: said once by rank 0, and every call keeps Horovod's path). Fixed for
     the life of the process once Horovod is initialized."""
-    if _CONTROLLER:
-        return _CONTROLLER[0]
+    state = job()
+    if state.controller is not None:
+        return state.controller
     if not hvd.is_initialized():
         return ""
     found = ""
@@ -74,7 +72,7 @@ def controller() -> str:
         if why and hvd.rank() == 0 and hvd.size() > 1 and chosen_path() == "direct":
             print(f"hvdp: under MPI, hvdp.allreduce and the other collectives take Horovod's path: {why}. "
                   f"Fix: install it, or run on Gloo (hvdp run without --mpi).", file=sys.stderr, flush=True)
-    _CONTROLLER.append(found)
+    state.controller = found
     return found
 
 
@@ -94,15 +92,13 @@ def exchange_entry() -> Any:
     return controller_entry("horovod_hvdp_direct_exchange", ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int)
 
 
-_LOCAL: List[Optional[SharedMemory]] = []
-
-
 def local_memory() -> Optional[SharedMemory]:
     """The process's shared-memory allreduce (:mod:`.shm`), or None without an exchange on this controller."""
-    if not _LOCAL:
+    made = job().local_memory
+    if not made:
         exchange = exchange_entry()
-        _LOCAL.append(None if exchange is None else SharedMemory(exchange, timeout_ms))
-    return _LOCAL[0]
+        made.append(None if exchange is None else SharedMemory(exchange, timeout_ms))
+    return made[0]
 
 
 #: An entry not yet looked up (it is, at its first use after Horovod's init).
@@ -205,15 +201,13 @@ class _Sender(threading.Thread):
                 done.set()
 
 
-_SENDERS: Dict[int, _Sender] = {}
-
-
 def sender(allreduce: DirectAllreduce, lane: int = 0) -> _Sender:
     """The sender thread of ``lane``, started anew after a failed call (the jobs queued behind it were dropped)."""
     channel = GRADIENT_CHANNELS[lane % len(GRADIENT_CHANNELS)]
-    found = _SENDERS.get(channel)
+    senders = job().senders
+    found = senders.get(channel)
     if found is None or not found.is_alive() or found.failed:
-        found = _SENDERS[channel] = _Sender(allreduce, channel)
+        found = senders[channel] = _Sender(allreduce, channel)
         found.start()
     return found
 
@@ -250,10 +244,6 @@ def scale_if_direct(plan: Tuple[str, float, float], compression: str, groups: An
     return lambda: 1.0 / hvd.size() if op == "average" else prescale * postscale
 
 
-#: Every live DirectGroup (an elastic reset makes each learn again: hvdp.backends.torch.direct.gradients.relearn_all).
-GROUPS: "weakref.WeakSet[DirectGroup]" = weakref.WeakSet()
-
-
 class DirectGroup:
     """One update's gradients reduced together (a Keras optimizer's, on Keras's torch backend), by direct calls.
 
@@ -272,7 +262,7 @@ class DirectGroup:
         self.buffers: Dict[torch.dtype, torch.Tensor] = {}
         self.world = hvd.size()
         self.counts = {"direct": 0, "horovod": 0, "changes": 0}
-        GROUPS.add(self)
+        job().groups.add(self)  # an elastic reset makes each learn again (gradients.relearn_all)
 
     def __call__(self, tensors: List[torch.Tensor], horovod_reduce: Callable[[List[Any]], List[Any]]) -> List[Any]:
         layout = tuple((str(t.dtype), tuple(t.shape)) for t in tensors)

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
+from hvdp._state import job
 from hvdp.backends.direct import CHANNELS
 from hvdp.backends.torch.direct.allreduce import (
     UNRESOLVED,
@@ -241,8 +242,6 @@ class Results:
 _EXCHANGE = DirectExchange()
 _RING = DirectAllreduce(local=True)
 _RESULTS = Results()
-#: Whether this process made a header exchange since init (:func:`leave` says at the end that it has finished).
-_AGREED = [False]
 
 
 def exchanging(whole_job: bool, joining: bool) -> bool:
@@ -273,7 +272,7 @@ def agree_call(whole_job: bool, joining: bool, kind: str, values: Any = None, op
     """The header exchange before a collective that takes Horovod's path (module docstring): returns once every
     rank makes the same call; raises on every rank where they differ."""
     if exchanging(whole_job, joining):
-        _AGREED[0] = True
+        job().calls_agreed = True
         with _LOCK:
             _EXCHANGE.agree(describe_call(kind, values, op, root, name), False)
 
@@ -282,8 +281,8 @@ def leave() -> None:
     """At the end of a job (before Horovod's join), where this process made header exchanges: one last header
     saying this rank has finished its script, so that a rank still calling is told at once (both raise
     TrainingMismatchError) instead of waiting out the stall timeout."""
-    if _AGREED[0] and hvd.is_initialized() and exchanging(True, False):
-        _AGREED[0] = False
+    if job().calls_agreed and hvd.is_initialized() and exchanging(True, False):
+        job().calls_agreed = False
         with _LOCK:
             _EXCHANGE.agree("finished | ", False, finished=True)
 
@@ -295,7 +294,7 @@ def direct_call(tensor: torch.Tensor, op: str, name: Optional[str], whole_job: b
     tensor needs Horovod's autograd op."""
     if not exchanging(whole_job, joining):
         return None
-    _AGREED[0] = True
+    job().calls_agreed = True
     text = describe_call("allreduce", tensor, op, None, name)
     capable = (op in ("sum", "average") and tensor.device.type == "cpu" and tensor.dtype in _CALL_DTYPES
                and (op == "sum" or tensor.dtype.is_floating_point)

@@ -42,13 +42,13 @@ and Keras's gradients on the torch backend: :mod:`hvdp.backends.torch.direct.all
 from __future__ import annotations
 
 import gc
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import horovod.torch as hvd
 import torch
 
-from hvdp.backends.torch.direct import allreduce, buckets
+from hvdp._state import job
+from hvdp.backends.torch.direct import buckets
 from hvdp.backends.torch.direct.allreduce import (
     PATH_ENV,
     DirectAllreduce,
@@ -66,10 +66,6 @@ from hvdp.backends.torch.gradients import HorovodPath
 TRIES = 3
 
 
-#: Every live optimizer's direct path (:func:`serve_until_finished` looks for those still on it).
-_PATHS: "weakref.WeakSet[DirectGradients]" = weakref.WeakSet()
-
-
 def serve_until_finished() -> None:
     """Before Horovod's join at the end of a job: a rank whose optimizer is on the direct path takes part
     in the other ranks' remaining steps with zeros (:meth:`DirectGradients.serve_until_finished`), as
@@ -77,7 +73,7 @@ def serve_until_finished() -> None:
     then names each rank's step count). With two or more optimizers on it, the steps' buckets could not
     be told apart: the others then wait out the stall timeout and end with its message."""
     gc.collect()  # optimizers no longer reachable (an earlier run's) must not count
-    on_it = [path for path in _PATHS if path.mode == "direct"]
+    on_it = [path for path in job().gradient_paths if path.mode == "direct"]
     if len(on_it) == 1:
         on_it[0].serve_until_finished()
 
@@ -85,9 +81,9 @@ def serve_until_finished() -> None:
 def relearn_all() -> None:
     """After an elastic job's reset (hvdp.elastic): every direct path learns again on Horovod's path, so
     that the workers that survived and those that joined take the direct path together."""
-    for path in list(_PATHS):
+    for path in list(job().gradient_paths):
         path.relearn()
-    for group in list(allreduce.GROUPS):
+    for group in list(job().groups):
         group.layout = group.tried = None
 
 
@@ -124,7 +120,7 @@ class DirectGradients:
         self.counts = {"direct": 0, "horovod": 0, "changes": 0}
         self.final_pass: Callable[[], bool] = lambda: True
         self.pass_started: Callable[[], None] = lambda: None
-        _PATHS.add(self)
+        job().gradient_paths.add(self)  # serve_until_finished looks for those still on it
 
     # -- hooks -------------------------------------------------------------------------------
 

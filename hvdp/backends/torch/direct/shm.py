@@ -45,6 +45,8 @@ import numpy as np
 import torch
 from horovod.common.exceptions import HorovodInternalError
 
+from hvdp._state import job
+
 #: The environment variable that turns the shared-memory allreduce off (``0``) or on (``1``, the default).
 SHM_ENV = "HVDP_SHARED_MEMORY"
 #: The smallest ``hvdp.allreduce`` call (bytes) that goes through shared memory; smaller ones take Gloo's
@@ -228,15 +230,12 @@ class SharedMemory:
         state.capacity = capacity
 
 
-_SAID = [False]
-
-
 def said_fallback(total: int, ranks: List[int], why: str, rank: int) -> None:
     """Once per process, on rank 0 (or on a rank that could not, where rank 0 could): that a channel falls back
     from shared memory to Gloo's ring, why, and the fix."""
-    if _SAID[0] or (rank != 0 and (rank not in ranks or 0 in ranks)):
+    if job().shm_fallback_said or (rank != 0 and (rank not in ranks or 0 in ranks)):
         return
-    _SAID[0] = True
+    job().shm_fallback_said = True
     print(f"hvdp: rank {', '.join(map(str, ranks))} could not reserve {total / (1 << 20):.0f} MiB of shared memory "
           f"in {SHM_DIR}{f' ({why})' if why else ''}: ranks on one machine reduce tensors of this size through "
           f"{'MPI' if hvd.mpi_enabled() and not hvd.gloo_enabled() else 'Gloo'}'s ring instead (same results, "
