@@ -2,6 +2,11 @@
 the step times and ratios as the Markdown tables docs/performance.md quotes.
 
 Usage: python scripts/results_table.py [--markdown] docs/results/FILE.json
+       python scripts/results_table.py --before docs/results/OLDER.json docs/results/FILE.json
+
+``--before OLDER`` prints, for every ratio and target the two files share, its median and range in each file and
+whether the two ranges overlap (the change is within the rounds' own spread) or not (it moved), beside the figures
+only one file has.
 
 The figures come from the file's ``summary`` (docs/results/README.md); the command, the date, the machine's load
 at the start and the end and hvdp's commit are printed above them, so a figure quoted in the docs can be traced to
@@ -12,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from hvdp.bench.report import format_table
 
@@ -74,13 +79,61 @@ def allreduce_markdown(sweep: Optional[dict]) -> List[str]:
     return lines
 
 
+def ratio_figures(summary: dict) -> Dict[str, Tuple[float, Optional[Tuple[float, float]]]]:
+    """Every ratio of a summary (``group: ratio``) and every target (``target: name``): (median, (low, high) or
+    None where the file has no per-round spread)."""
+    found: Dict[str, Tuple[float, Optional[Tuple[float, float]]]] = {}
+    for group in summary["groups"]:
+        for key, value in group["ratios"].items():
+            spread = group.get("ratio_spread", {}).get(key)
+            found[f"{group['name']}: {key}"] = (value, (spread["low"], spread["high"]) if spread else None)
+    for target in summary["targets"]:
+        if target["value"] is not None:
+            found[f"target: {target['name']}"] = (target["value"], tuple(target["spread"]) if target.get("spread")
+                                                  else None)
+    return found
+
+
+def compare(before: dict, after: dict) -> List[str]:
+    """The before / after table of two results files' ratios (:func:`ratio_figures`), as Markdown."""
+    old, new = ratio_figures(before["summary"]), ratio_figures(after["summary"])
+
+    def cell(figure: Optional[Tuple[float, Optional[Tuple[float, float]]]]) -> str:
+        if figure is None:
+            return "-"
+        value, spread = figure
+        return f"{value:.3f}" + (f" [{spread[0]:.3f}-{spread[1]:.3f}]" if spread else "")
+
+    lines = ["| ratio | before: median [range] | after: median [range] | change |", "|---|---|---|---|"]
+    for key in [*old, *(k for k in new if k not in old)]:
+        was, now = old.get(key), new.get(key)
+        if was is None or now is None:
+            verdict = "only after" if was is None else "only before"
+        elif was[1] is None or now[1] is None:
+            verdict = f"{now[0] / was[0]:.3f}x (no range)"
+        else:
+            apart = now[1][0] > was[1][1] or now[1][1] < was[1][0]
+            verdict = f"{now[0] / was[0]:.3f}x, " + ("ranges apart" if apart else "within the ranges")
+        lines.append(f"| {key} | {cell(was)} | {cell(now)} | {verdict} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", action="store_true", help="Markdown tables instead of the run's own table")
+    parser.add_argument("--before", metavar="OLDER", help="an older results file: print the two files' ratios side "
+                                                              "by side")
     parser.add_argument("file", help="a results file (hvdp bench --results FILE)")
     args = parser.parse_args()
     with open(args.file) as handle:
         results = json.load(handle)
+    if args.before:
+        with open(args.before) as handle:
+            older = json.load(handle)
+        print("before: " + "\n".join(heading(args.before, older)))
+        print("after: " + "\n".join(heading(args.file, results)) + "\n")
+        print("\n".join(compare(older, results)))
+        return
     print("\n".join(heading(args.file, results)) + "\n")
     print("\n".join(markdown(results["summary"])) if args.markdown else format_table(results["summary"]))
 

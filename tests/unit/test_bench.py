@@ -530,3 +530,33 @@ def test_every_committed_results_file_prints_its_tables_with_its_heading():
         for label in (results["summary"].get("allreduce") or {}).get("impls", {}):
             assert any(line.startswith(f"| {label} |") for line in lines), (path.name, label)
         assert f"[{path.name}]({path.name})" in listed, f"docs/results/README.md does not list {path.name}"
+
+
+def test_two_results_files_compare_ratio_by_ratio():
+    """scripts/results_table.py --before: each ratio and target of both files with its median and range, the
+    change as a factor, and whether the ranges overlap; a figure only one file has is said to be so."""
+    import copy
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("results_table", root / "scripts" / "results_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    before = json.loads((root / "docs" / "results" / "2026-12-07-quick.json").read_text())
+    after = copy.deepcopy(before)
+    group = after["summary"]["groups"][0]
+    key = next(iter(group["ratio_spread"]))
+    spread = group["ratio_spread"][key]
+    shift = spread["high"] - spread["low"] + 0.5
+    group["ratios"][key] += shift
+    spread.update(low=spread["low"] + shift, high=spread["high"] + shift, median=spread["median"] + shift)
+    gone = next(k for k in group["ratios"] if k != key)
+    del group["ratios"][gone]
+    lines = table.compare(before, after)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
+    assert len(rows) == len(table.ratio_figures(before["summary"]))
+    moved = rows[f"{group['name']}: {key}"]
+    assert moved.endswith("ranges apart |") and f"{group['ratios'][key]:.3f} [" in moved, moved
+    assert rows[f"{group['name']}: {gone}"].endswith("| - | only before |")
+    same = [line for name, line in rows.items() if name not in (f"{group['name']}: {key}", f"{group['name']}: {gone}")]
+    assert same and all("1.000x" in line and ("within the ranges" in line or "no range" in line) for line in same)
