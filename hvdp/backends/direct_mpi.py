@@ -151,31 +151,22 @@ def exchange(inbox: int, capacity: int, nbytes: int, channel: int, timeout_ms: i
     return 0
 
 
-#: The channels whose allreduces come with no header exchange before them: the gradient buckets' (the plan agreed
-#: once, then every step's buckets sent as they fill). A rank that stopped must not hold the others in
-#: ``MPI_Allreduce`` for ever, so these are nonblocking and waited on with the stall timeout, as Gloo's are.
-UNANNOUNCED = frozenset(CHANNELS[name] for name in ("torch gradient lane 0", "torch gradient lane 1",
-                                                    "torch keras group"))
-
-
 def allreduce_from(source: int, target: int, count: int, dtype: int, channel: int, timeout_ms: int, error: Any,
                    errlen: int) -> int:
     """``horovod_hvdp_direct_allreduce_from`` on MPI: the sum of every rank's ``count`` elements at ``source``
-    into ``target`` (in place where they are one); 0 done, 1 failed (``error``). A call's allreduce comes once
-    its header exchange brought every rank to it, so it waits as MPI's own allreduce does; a gradient bucket's
-    (:data:`UNANNOUNCED`) waits at most ``timeout_ms``, then fails with Gloo's words ("Timed out ...")."""
+    into ``target`` (in place where they are one); 0 done, 1 failed (``error``). Called once the call's header
+    exchange brought every rank to it, so it waits as MPI's own allreduce does."""
     mpi = _mpi()
     comm = _comm(channel)
     kind = getattr(mpi, _MPI_TYPES[dtype])
     nbytes = count * kind.Get_size()
     into = mpi.buffer.fromaddress(target, nbytes)
-    send = mpi.IN_PLACE if source == target else [mpi.buffer.fromaddress(source, nbytes, readonly=True), count, kind]
     try:
-        if channel not in UNANNOUNCED:
-            comm.Allreduce(send, [into, count, kind], op=mpi.SUM)
-        elif not _wait(comm.Iallreduce(send, [into, count, kind], op=mpi.SUM), timeout_ms):
-            return _fail(error, errlen, f"Timed out waiting {timeout_ms}ms for the other ranks' allreduce "
-                                        f"(MPI, channel {channel})")
+        if source == target:
+            comm.Allreduce(mpi.IN_PLACE, [into, count, kind], op=mpi.SUM)
+        else:
+            comm.Allreduce([mpi.buffer.fromaddress(source, nbytes, readonly=True), count, kind],
+                           [into, count, kind], op=mpi.SUM)
     except mpi.Exception as failed:
         return _fail(error, errlen, f"MPI allreduce on channel {channel} failed: {failed}")
     return 0

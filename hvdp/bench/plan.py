@@ -212,10 +212,9 @@ def plan(settings: Settings) -> List[Group]:
             people.append(Contender(f"hvdp without early wake {tag}", "hvdp", framework, np_, controller, "hvdp",
                                     model, env={"HVDP_EARLY_WAKE": "0"}))
         # The gradient path before the direct one (hvdp.backends.torch.direct.gradients,
-        # hvdp.backends.tensorflow.direct): Horovod's negotiated rounds. TensorFlow's in the full run only, and
-        # under Gloo only (its gradients keep Horovod's path under MPI); torch's under MPI too (the full run).
-        if ("overhead" in sections or want_native) and np_ == 2 and (controller == "gloo" or framework == "torch") \
-                and (framework == "torch" or not quick) and not smoke:
+        # hvdp.backends.tensorflow.direct): Horovod's negotiated rounds. TensorFlow's in the full run only.
+        if ("overhead" in sections or want_native) and np_ == 2 and controller == "gloo" and \
+                (framework == "torch" or not quick) and not smoke:
             people.append(Contender(f"hvdp on Horovod's gradient path {tag}", "hvdp", framework, np_, controller,
                                     "hvdp", model, env={"HVDP_GRADIENT_PATH": "horovod"}))
         if want_native:

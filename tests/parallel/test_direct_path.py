@@ -1,6 +1,5 @@
-"""torch's direct gradient path (fixed buckets allreduced by direct calls once the ranks agree on them,
-:mod:`hvdp.backends.torch.direct.gradients`) against Horovod's negotiated path, in one np=2 job on Gloo and one under
-MPI (hvdp run --mpi: the entries' MPI peer): every setting gives the
+"""torch's direct gradient path (fixed buckets allreduced by direct Gloo calls once the ranks agree on them,
+:mod:`hvdp.backends.torch.direct.gradients`) against Horovod's negotiated path, in one np=2 job: every setting gives the
 same parameters on both paths and on both ranks; a graph change on one rank is seen by every rank at the same
 step, the step still right, and the next step learns again on Horovod's path; two optimizers over one
 backward pass share the one sender thread. Small hvdp.allreduce calls (a direct exchange) give Horovod's
@@ -23,23 +22,13 @@ def job(tmp_path_factory):
     return run_worker("direct_path.py", "gloo", "torch", tmp_path_factory.mktemp("direct"))
 
 
-@pytest.fixture(scope="module")
-def mpi_job(tmp_path_factory):
-    """The same cases under hvdp run --mpi (the direct entries' MPI peer, hvdp.backends.direct_mpi)."""
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def calls_job(request, tmp_path_factory):
+    """hvdp.allreduce's direct calls: the Gloo job's (the job above), and the same cases under hvdp run --mpi
+    (their MPI peer, hvdp.backends.direct_mpi)."""
+    if request.param == "gloo":
+        return request.getfixturevalue("job")
     return run_worker("direct_calls_mpi.py", "mpi", "torch", tmp_path_factory.mktemp("direct_mpi"))
-
-
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
-def calls_job(request):
-    """hvdp.allreduce's direct calls: the Gloo job's (the job above), and the MPI job's."""
-    return request.getfixturevalue("job" if request.param == "gloo" else "mpi_job")
-
-
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
-def gradients_job(request):
-    """The gradient cases on both paths: the Gloo job's, and the MPI job's (buckets by MPI's nonblocking
-    allreduce on the channel's communicator, or through shared memory)."""
-    return request.getfixturevalue("job" if request.param == "gloo" else "mpi_job")
 
 
 def test_under_mpi_without_mpi4py_rank_0_says_why_once_and_the_calls_keep_horovods_path(tmp_path):
@@ -54,17 +43,17 @@ def test_under_mpi_without_mpi4py_rank_0_says_why_once_and_the_calls_keep_horovo
         assert r["btl"] == "^openib,ofi", r  # Open MPI's OFI transport left out (a deadlock in MPI_Init)
 
 
-def test_the_calls_and_the_gradients_go_direct_on_the_jobs_controller(calls_job, request):
-    """Under MPI the calls and the gradients take the MPI peer, under Gloo the build's entries."""
+def test_the_calls_go_direct_on_the_jobs_controller_and_only_gloos_gradients_do(calls_job, request):
+    """Under MPI the calls take the MPI peer; the gradients keep Horovod's path there (its MPI allreduce)."""
     controller = request.node.callspec.params["calls_job"]
     for r in calls_job.ranks:
-        assert r["controller"] == controller and r["gradients direct"] is True, r
+        assert r["controller"] == controller and r["gradients direct"] is (controller == "gloo"), r
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_direct_path_matches_horovods_on_every_rank(gradients_job, case):
+def test_direct_path_matches_horovods_on_every_rank(job, case):
     digests = set()
-    for r in gradients_job.ranks:
+    for r in job.ranks:
         direct, horovod = r["cases"][case]["direct"], r["cases"][case]["horovod"]
         assert max_abs_diff(direct["params"], horovod["params"]) <= 1e-5, (r["rank"], case)
         # the switch: Horovod's path only, every step
@@ -91,10 +80,10 @@ def test_direct_path_matches_horovods_on_every_rank(gradients_job, case):
 
 
 @pytest.mark.parametrize("case", ["graph change", "in place, graph change", "two lanes, graph change"])
-def test_graph_change_on_one_rank_is_seen_by_every_rank_and_learnt_again(gradients_job, case):
+def test_graph_change_on_one_rank_is_seen_by_every_rank_and_learnt_again(job, case):
     """Rank 1 skips the middle layer at step 3: both ranks count the change there, take Horovod's path for
     step 4 (learning), and are back on the direct path from step 5 (the skipped weight gathered, or in place)."""
-    for r in gradients_job.ranks:
+    for r in job.ranks:
         direct = r["cases"][case]["direct"]
         want = ["direct"] * STEPS
         want[SKIP_STEP] = "learn"  # the mode after the step: learn the order again
@@ -105,9 +94,9 @@ def test_graph_change_on_one_rank_is_seen_by_every_rank_and_learnt_again(gradien
         assert direct["counts"] == {"direct": STEPS - 2, "horovod": 2, "changes": 1}, r["rank"]
 
 
-def test_two_optimizers_over_one_backward_pass(gradients_job):
+def test_two_optimizers_over_one_backward_pass(job):
     digests = set()
-    for r in gradients_job.ranks:
+    for r in job.ranks:
         direct, horovod = r["two optimizers"]["direct"], r["two optimizers"]["horovod"]
         assert max_abs_diff(direct["params"], horovod["params"]) <= 1e-5, r["rank"]
         assert direct["counts"] == [{"direct": STEPS - 1, "horovod": 1, "changes": 0}] * 2
@@ -175,11 +164,11 @@ def test_large_calls_that_differ_between_ranks_are_refused_before_the_ring(calls
         assert r["large calls"]["refusals"][f"after {what}"] == 140_000.0
 
 
-def test_buckets_go_through_shared_memory_from_its_threshold_and_by_the_ring_below_it(gradients_job):
+def test_buckets_go_through_shared_memory_from_its_threshold_and_by_the_ring_below_it(job):
     """Buckets of 512 KB and more go through shared memory (every rank on this machine); the cases with the
     threshold lowered to 1 byte sent every direct step's buckets that way, and gave Horovod's path's result
     (test_direct_path_matches_horovods_on_every_rank); the model's own buckets, all far below 512 KB, never."""
-    for r in gradients_job.ranks:
+    for r in job.ranks:
         for case in CASES:
             direct = r["cases"][case]["direct"]
             calls = direct["shared memory calls"]

@@ -36,17 +36,18 @@ def test_fit_on_different_data_keeps_replicas_identical_and_equals_one_process_o
     assert max_abs_diff(r0["after"], r1["after"]) <= 1e-6
     for rank in (r0, r1):
         assert rank["vs_union"]["close"], rank["vs_union"]  # rtol 1e-5, atol 1e-6
-    # The updates go by direct calls (one per dtype, no coordination round). On the torch backend the first
-    # update learns on Horovod's path, then Gloo's entries or, under MPI, their MPI peer; on TensorFlow hvdp's op
-    # runs inside the traced step from the first, the ranks comparing their gradients' layout at each call, under
-    # Gloo only (under MPI TensorFlow's reducer has no direct path: Horovod's).
-    if job.framework == "torch":
-        want = {"direct": 2, "horovod": 1, "changes": 0}
+    # Under Gloo the updates go by direct Gloo calls (one per dtype, no coordination round). On the torch
+    # backend the first update learns on Horovod's path; on TensorFlow hvdp's op runs inside the traced step
+    # from the first, the ranks comparing their gradients' layout at each call. Under MPI every update takes
+    # Horovod's path (torch counts them; TensorFlow's reducer has no direct path there).
+    if job.controller == "gloo":
+        want = {"direct": 2, "horovod": 1, "changes": 0} if job.framework == "torch" else \
+            {"direct": 3, "horovod": 0, "differed": 0}
         assert [r0["path"], r1["path"]] == [want, want]
-        # the worker lowered the threshold: both direct updates by shared memory
-        assert [r0["shared memory calls"], r1["shared memory calls"]] == [2, 2]
-    elif job.controller == "gloo":
-        want = {"direct": 3, "horovod": 0, "differed": 0}
+        if job.framework == "torch":  # the worker lowered the threshold: both direct updates by shared memory
+            assert [r0["shared memory calls"], r1["shared memory calls"]] == [2, 2]
+    elif job.framework == "torch":
+        want = {"direct": 0, "horovod": 3, "changes": 0}
         assert [r0["path"], r1["path"]] == [want, want]
     else:
         assert r0["path"] is None and r1["path"] is None

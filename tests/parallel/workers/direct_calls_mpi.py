@@ -1,9 +1,8 @@
 """hvdp.allreduce's direct calls under ``hvdp run --mpi`` (their MPI peer, hvdp.backends.direct_mpi): the small
 calls by one exchange, the large ones by MPI's allreduce and through shared memory, each beside the same call
-on Horovod's path, and the refusals of calls that differ between ranks, and every gradient setting on the direct
-path (its buckets by the MPI peer's nonblocking allreduce, or through shared memory) beside Horovod's path; the
-same cases as the Gloo job's (direct_path.py), so both are checked by the same tests (test_direct_path.py).
-With ``without-mpi4py``, ``import mpi4py`` fails (``sys.modules``)
+on Horovod's path, and the refusals of calls that differ between ranks; the same cases as the Gloo job's
+(direct_path.py), so both are checked by the same tests (test_direct_path.py). The gradient path stays
+Horovod's under MPI: reported, to be checked. With ``without-mpi4py``, ``import mpi4py`` fails (``sys.modules``)
 as where it is not installed: the calls keep Horovod's path, and rank 0 says why.
 """
 
@@ -15,7 +14,7 @@ from typing import Any, Dict
 
 import torch
 from _report import write
-from direct_path import calls, gradient_cases, large_calls, shared_memory_calls
+from direct_path import calls, large_calls, shared_memory_calls
 
 import hvdp
 from hvdp.backends.torch.direct import allreduce as direct_allreduce
@@ -39,7 +38,6 @@ def main() -> None:
     record: Dict[str, Any] = {"rank": hvdp.rank(), "size": hvdp.size(),
                               "controller": direct_allreduce.controller(),
                               "gradients direct": direct_allreduce.DirectAllreduce().usable()}
-    record.update(gradient_cases())
     record["calls"] = calls()
     record["large calls"] = large_calls()
     record["shared memory"] = shared_memory_calls()

@@ -290,10 +290,12 @@ def shared_memory_calls() -> Dict[str, Any]:
     return found
 
 
-def gradient_cases() -> Dict[str, Any]:
-    """Every gradient setting trained on the direct path and on Horovod's, and two optimizers over one backward
-    pass: ``cases`` and ``two optimizers`` of the record (the MPI job's too, direct_calls_mpi.py)."""
-    record: Dict[str, Any] = {"cases": {}}
+def main() -> None:
+    hvdp.init(framework="torch")
+    assert direct_allreduce.quiet_ms() == 50, "the quiet loop is on by default (HVDP_QUIET_LOOP_MS unset)"
+    record: Dict[str, Any] = {"rank": hvdp.rank(), "size": hvdp.size(), "cases": {},
+                              "controller": direct_allreduce.controller(),
+                              "gradients direct": direct_allreduce.DirectAllreduce().usable()}
     settings = {"average": ({}, {}), "sum": ({"op": "sum"}, {}), "predivide": ({"gradient_predivide_factor": 2.0}, {}),
                 "two passes": ({"backward_passes_per_step": 2}, {"passes": 2}),
                 "no_sync": ({}, {"passes": 2, "local_first": True}),
@@ -309,16 +311,6 @@ def gradient_cases() -> Dict[str, Any]:
     for name, (options, how) in settings.items():
         record["cases"][name] = {path: train(path, options, **how) for path in ("direct", "horovod")}
     record["two optimizers"] = {path: two_optimizers(path) for path in ("direct", "horovod")}
-    return record
-
-
-def main() -> None:
-    hvdp.init(framework="torch")
-    assert direct_allreduce.quiet_ms() == 50, "the quiet loop is on by default (HVDP_QUIET_LOOP_MS unset)"
-    record: Dict[str, Any] = {"rank": hvdp.rank(), "size": hvdp.size(),
-                              "controller": direct_allreduce.controller(),
-                              "gradients direct": direct_allreduce.DirectAllreduce().usable()}
-    record.update(gradient_cases())
     record["calls"] = calls()
     record["quiet setting"] = quiet_setting()
     record["large calls"] = large_calls()

@@ -4,7 +4,7 @@ hvdp's Horovod build adds C entries (:data:`hvdp.horovod_build.direct_patches.DI
 sum-allreduce in place or from an input into an output (``horovod_hvdp_direct_allreduce_from``) and an
 exchange of every rank's message with every rank (``horovod_hvdp_direct_exchange``), each call on a
 Gloo tag of its own; under MPI, their peer with the same arguments (:mod:`hvdp.backends.direct_mpi`), which
-:func:`controller_entry` returns there (the calls' and the gradients'). Here: their
+:func:`controller_entry` returns there for the calls (the gradients keep Horovod's path under MPI). Here: their
 Python side on torch, with its failures' one error (:func:`failure`; the stall timeout, the switch and the quiet
 loop are every framework's: :mod:`hvdp.backends.direct`), the sender thread of torch's gradient path
 (:mod:`.gradients`), and a Keras optimizer's gradients on the torch backend reduced together
@@ -129,8 +129,9 @@ class DirectAllreduce:
         self._entry = value
 
     def usable(self) -> bool:
-        """For gradients: built in (on Gloo) or its MPI peer can run (:func:`controller`)."""
-        return self.entry is not None and controller() in ("gloo", "mpi")
+        """For gradients: built in, and the job runs on Gloo (an MPI job's gradients keep Horovod's path; its
+        ``hvdp.allreduce`` calls take the entry on MPI)."""
+        return self.entry is not None and controller() == "gloo"
 
     def __call__(self, tensor: torch.Tensor, channel: int, into: Optional[torch.Tensor] = None,
                  scale: float = 1.0) -> None:
