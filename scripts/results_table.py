@@ -26,7 +26,10 @@ def heading(path: str, results: dict) -> List[str]:
     machine, versions = results.get("machine", {}), results.get("versions", {})
     command = results.get("command")
     return [f"{path}: `{' '.join(command) if isinstance(command, list) else command}`",
-            f"{results.get('date')}; {machine.get('cpus')} CPUs, {machine.get('cpu_model')}; load average "
+            f"{results.get('date')}; {machine.get('cpus')} CPUs, {machine.get('cpu_model')}"
+            + (f" (family {machine['cpu_family']} model {machine['cpu_model_number']}, "
+               f"{' '.join(machine.get('simd') or []) or 'no vector extensions'})" if machine.get("cpu_family") else
+               " (its family and vector extensions not recorded)") + "; load average "
             f"{machine.get('load_average_start')} at the start, {machine.get('load_average_end')} at the end; hvdp "
             f"{versions.get('hvdp_commit')}" + (" (modified)" if versions.get("hvdp_modified") else "")
             + f", torch {versions.get('torch')}, tensorflow {versions.get('tensorflow')}, horovod "

@@ -31,19 +31,37 @@ def load_average() -> Optional[List[float]]:
         return None
 
 
-def machine() -> dict:
-    """What the figures were measured on."""
+#: The CPU flags a results file keeps: the vector extensions the frameworks' kernels choose between (two
+#: machines that both say "AMD EPYC" can differ by them, and by twice the step time).
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def machine(cpuinfo: Optional[str] = None) -> dict:
+    """What the figures were measured on: the CPU's count, model name, family and model numbers, clock (MHz, as
+    the kernel reports it) and vector extensions (:data:`SIMD_FLAGS`), from ``cpuinfo`` (``/proc/cpuinfo``)."""
     cpus = os.cpu_count() or 1
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpus": cpus, "cpu_model": model, "platform": platform.platform(), "python": platform.python_version(),
-            "description": f"{cpus} CPUs{', ' + model if model else ''}"}
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: Dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if not key.strip():
+            if fields:
+                break  # the first processor's block
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name", "")
+    flags = set(fields.get("flags", "").split())
+    return {"cpus": cpus, "cpu_model": model, "cpu_family": fields.get("cpu family"),
+            "cpu_model_number": fields.get("model"), "cpu_mhz": fields.get("cpu MHz"),
+            "simd": [flag for flag in SIMD_FLAGS if flag in flags], "platform": platform.platform(),
+            "python": platform.python_version(),
+            "description": f"{cpus} CPUs{', ' + model if model else ''}"
+                           + (f" (family {fields['cpu family']} model {fields['model']})"
+                              if "cpu family" in fields and "model" in fields else "")}
 
 
 def versions() -> Dict[str, Any]:

@@ -560,3 +560,26 @@ def test_two_results_files_compare_ratio_by_ratio():
     assert rows[f"{group['name']}: {gone}"].endswith("| - | only before |")
     same = [line for name, line in rows.items() if name not in (f"{group['name']}: {key}", f"{group['name']}: {gone}")]
     assert same and all("1.000x" in line and ("within the ranges" in line or "no range" in line) for line in same)
+
+
+def test_a_results_file_names_the_cpus_family_and_vector_extensions():
+    """Two machines that both say "AMD EPYC" can differ by their vector extensions (and by twice the step time):
+    the first processor's family, model number, clock and SIMD flags are kept, and the table's heading says them."""
+    import importlib.util
+
+    from hvdp.bench import results
+
+    info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+            "cpu MHz\t\t: 2600.000\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512bw\n\n"
+            "processor\t: 1\ncpu family\t: 99\nflags\t\t: fpu\n")
+    found = results.machine(info)
+    assert (found["cpu_family"], found["cpu_model_number"], found["cpu_mhz"]) == ("25", "17", "2600.000")
+    assert found["simd"] == ["sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw"]
+    assert found["description"].endswith("AMD EPYC (family 25 model 17)")
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("results_table", root / "scripts" / "results_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    head = table.heading("x.json", {"machine": found, "versions": {}, "samples": []})
+    assert "(family 25 model 17, sse4_2 avx avx2 fma avx512f avx512bw)" in head[1], head
+    assert "(its family and vector extensions not recorded)" in table.heading("x.json", {"machine": {}})[1]
