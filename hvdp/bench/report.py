@@ -77,17 +77,24 @@ def summarize(groups: List[Group], settings: Settings) -> dict:
 
 
 def _scaling(group: Group, contenders: Dict[str, dict]) -> dict:
-    """hvdp's throughput at np=1 and np=2 and its efficiency; DDP's under "ddp" when it ran too."""
+    """hvdp's throughput at np=1 and np=2 and its efficiency; DDP's under "ddp" when it ran too. Round by round
+    too: a round's efficiency is its np=1 step over its np=2 step (the same batch per rank), in
+    ``efficiency_spread``; and hvdp's efficiency over DDP's, round by round, in ``versus_ddp``."""
     def of(impl: str) -> Optional[dict]:
-        rates = {c.np: contenders[c.label]["examples_per_second"] for c in group.contenders if c.impl == impl}
-        if set(rates) != {1, 2}:
+        ran = {c.np: contenders[c.label] for c in group.contenders if c.impl == impl}
+        if set(ran) != {1, 2}:
             return None
-        return {"throughput_np1": rates[1], "throughput_np2": rates[2], "efficiency": efficiency(rates[1], rates[2], 2)}
+        rates = {np_: figures["examples_per_second"] for np_, figures in ran.items()}
+        return {"throughput_np1": rates[1], "throughput_np2": rates[2], "efficiency": efficiency(rates[1], rates[2], 2),
+                "efficiency_spread": ratio_spread(ran[1]["run_step_seconds"], ran[2]["run_step_seconds"])}
 
     figures: dict = {"model": group.contenders[0].model, **(of("hvdp") or {})}
     ddp = of("ddp")
     if ddp:
         figures["ddp"] = ddp
+        if "efficiency_spread" in figures:
+            figures["versus_ddp"] = ratio_spread(figures["efficiency_spread"]["per_round"],
+                                                 ddp["efficiency_spread"]["per_round"])
     return figures
 
 
@@ -219,9 +226,12 @@ def targets(results: dict, settings: Settings) -> List[Target]:
     scaling = results.get("scaling") or {}
     ddp = scaling.get("ddp")
     note = "" if scaling.get("model", "resnet18") == "resnet18" else "target is on resnet18"
+    versus = scaling.get("versus_ddp")  # round by round (a results file before it: the medians' ratio, no range)
     found.append(Target(f"scaling efficiency 1->2 processes ({scaling.get('model', 'resnet18')}), hvdp's / DDP's",
-                        ratio(scaling["efficiency"], ddp["efficiency"]) if ddp and scaling.get("efficiency") else None,
-                        ">=", 1.0, note or ("" if ddp else "DDP's scaling runs in the full run")))
+                        versus["median"] if versus else ratio(scaling["efficiency"], ddp["efficiency"])
+                        if ddp and scaling.get("efficiency") else None,
+                        ">=", 1.0, note or ("" if ddp else "DDP's scaling runs in the full run"),
+                        [versus["low"], versus["high"]] if versus else None))
     return found
 
 
@@ -280,6 +290,11 @@ def format_table(results: dict) -> str:
                      f"T2 {scaling['throughput_np2']:.1f} ex/s, efficiency {scaling['efficiency']:.3f}"
                      + (f"; DDP: T1 {scaling['ddp']['throughput_np1']:.1f}, T2 {scaling['ddp']['throughput_np2']:.1f}"
                         f", efficiency {scaling['ddp']['efficiency']:.3f}" if "ddp" in scaling else ""))
+        for who, figures in (("hvdp", scaling), ("DDP", scaling.get("ddp") or {}), ("hvdp's / DDP's", None)):
+            per = (figures or {}).get("efficiency_spread") if figures is not None else scaling.get("versus_ddp")
+            if per:
+                lines.append(f"  {who} efficiency round by round: {per['median']:.3f} [{per['low']:.3f}-"
+                             f"{per['high']:.3f}]  rounds: {' '.join(f'{r:.3f}' for r in per['per_round'])}")
         lines.append("")
     lines.append("targets")
     for target in results["targets"]:

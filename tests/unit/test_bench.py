@@ -403,6 +403,12 @@ def test_summary_ratios_per_round_with_their_range_targets_table_and_json():
     low, high = sweep["hvdp.allreduce (gloo)"]["spread_seconds"][0]
     assert low == pytest.approx(0.9 * 4096 / 1e9) and high == pytest.approx(1.1 * 4096 / 1e9)  # 9 calls
     assert results["scaling"]["ddp"]["efficiency"] == pytest.approx(0.1 / 0.11)
+    # round by round: each round's np=1 step over its np=2 step, and hvdp's over DDP's, the target's range
+    assert results["scaling"]["efficiency_spread"]["per_round"] == pytest.approx([0.12 / 0.126] * 3)
+    assert results["scaling"]["versus_ddp"]["per_round"] == pytest.approx([(0.12 / 0.126) / (0.12 / 0.132)] * 3)
+    scaling_target = next(t for t in results["targets"] if t["name"].startswith("scaling efficiency"))
+    assert scaling_target["value"] == pytest.approx((0.12 / 0.126) / (0.12 / 0.132))
+    assert scaling_target["spread"] == pytest.approx([scaling_target["value"]] * 2)
     assert status["hvdp/MultiWorkerMirrored step time, like for like, tensorflow (worst model)"] == ("n/a", None)
     table = bench.format_table(results)
     assert "ratio hvdp/horovod defaults" in table and "PASS" in table and "MISS" in table and "64 MB" in table
