@@ -218,9 +218,10 @@ class DriftGuard:
             )
 
 
-#: Updates taken by this rank's whole-job DistributedOptimizers are counted by their drift guards in the job
-#: state (:attr:`hvdp._state.JobState.job_steps`), and the guards kept there in the order they were made (the same
-#: on every rank): the newest :data:`KEPT_AT_END` of them, whose models are compared once more at the job's end.
+# Updates taken by this rank's whole-job DistributedOptimizers are counted by their drift guards in the job
+# state (hvdp._state.JobState.job_steps), and the guards kept there in the order they were made (the same on
+# every rank): the newest KEPT_AT_END of them, whose models are compared once more at the job's end.
+
 #: How many of the newest whole-job optimizers the check at the job's end covers (each keeps its model alive
 #: until then: a script that makes many, one after another, keeps only these).
 KEPT_AT_END = 8
