@@ -227,10 +227,10 @@ def targets(results: dict, settings: Settings) -> List[Target]:
     ddp = scaling.get("ddp")
     note = "" if scaling.get("model", "resnet18") == "resnet18" else "target is on resnet18"
     versus = scaling.get("versus_ddp")  # round by round (a results file before it: the medians' ratio, no range)
+    value = versus["median"] if versus else \
+        ratio(scaling["efficiency"], ddp["efficiency"]) if ddp and scaling.get("efficiency") else None
     found.append(Target(f"scaling efficiency 1->2 processes ({scaling.get('model', 'resnet18')}), hvdp's / DDP's",
-                        versus["median"] if versus else ratio(scaling["efficiency"], ddp["efficiency"])
-                        if ddp and scaling.get("efficiency") else None,
-                        ">=", 1.0, note or ("" if ddp else "DDP's scaling runs in the full run"),
+                        value, ">=", 1.0, note or ("" if ddp else "DDP's scaling runs in the full run"),
                         [versus["low"], versus["high"]] if versus else None))
     return found
 
@@ -290,8 +290,9 @@ def format_table(results: dict) -> str:
                      f"T2 {scaling['throughput_np2']:.1f} ex/s, efficiency {scaling['efficiency']:.3f}"
                      + (f"; DDP: T1 {scaling['ddp']['throughput_np1']:.1f}, T2 {scaling['ddp']['throughput_np2']:.1f}"
                         f", efficiency {scaling['ddp']['efficiency']:.3f}" if "ddp" in scaling else ""))
-        for who, figures in (("hvdp", scaling), ("DDP", scaling.get("ddp") or {}), ("hvdp's / DDP's", None)):
-            per = (figures or {}).get("efficiency_spread") if figures is not None else scaling.get("versus_ddp")
+        for who, per in (("hvdp", scaling.get("efficiency_spread")),
+                         ("DDP", (scaling.get("ddp") or {}).get("efficiency_spread")),
+                         ("hvdp's / DDP's", scaling.get("versus_ddp"))):
             if per:
                 lines.append(f"  {who} efficiency round by round: {per['median']:.3f} [{per['low']:.3f}-"
                              f"{per['high']:.3f}]  rounds: {' '.join(f'{r:.3f}' for r in per['per_round'])}")
